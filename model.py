@@ -1,0 +1,313 @@
+"""
+The GPT-2 model, in one file.
+
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig())                       # 124M, random init
+    model = GPT.from_pretrained("gpt2")            # OpenAI weights (hub), or a save_pretrained dir
+    logits, loss = model(idx, targets)             # idx, targets: (B, T) int64
+    model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
+
+Also here: the AdamW setup (configure_optimizers), FLOPs per token and MFU against the peak of
+the GPU actually in use. `python model.py` prints the parameter count and FLOPs of each size.
+"""
+import inspect
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
+
+# -----------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # max sequence length
+    vocab_size: int = 50257  # 50257 BPE tokens; 50304 (a multiple of 64) is faster to train
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
+
+
+# the four OpenAI checkpoints
+PRETRAINED = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+# -----------------------------------------------------------------------------
+# the network
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head = config.n_head
+        self.attn_impl = config.attn_impl
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.SCALE_INIT = True
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.attn_impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:  # the textbook version, kept for the benchmark ladder
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = att @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "SCALE_INIT", False):  # residual projections: keep the stream's variance
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def hidden_states(self, idx):
+        """The final layer-normed hidden states (B, T, n_embd); lm_head turns them into logits."""
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of length {T} is longer than block_size {self.config.block_size}"
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x)  # (B, T, C)
+
+    def forward(self, idx, targets=None):
+        logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:  # mean cross-entropy; targets of -1 are masked out
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self, non_embedding=True):
+        """Parameter count; by default without the position embeddings (a lookup, no FLOPs).
+        The token embedding stays in: it is the lm_head matmul too."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    # -------------------------------------------------------------------------
+    # sampling
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Extend idx (B, T) by max_new_tokens sampled tokens. temperature=0 is greedy; top_k keeps
+        exactly the k most likely tokens. The context is cropped to block_size; padded vocab rows
+        beyond the 50257 real tokens are never sampled."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]  # (B, <=block_size)
+            logits = self.lm_head(self.hidden_states(idx_cond)[:, -1, :]).float()  # (B, vocab)
+            if logits.size(-1) > GPT2_VOCAB_SIZE:
+                logits = logits[:, :GPT2_VOCAB_SIZE]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                cand = None
+                if top_k is not None and top_k < logits.size(-1):
+                    logits, cand = torch.topk(logits, top_k, dim=-1)  # (B, k), (B, k)
+                choice = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+                idx_next = choice if cand is None else torch.gather(cand, -1, choice)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+    # -------------------------------------------------------------------------
+    # optimizer
+
+    def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None, verbose=True):
+        """AdamW with weight decay on the 2-D tensors (matmul weights, embeddings) only.
+        fused=None means fused on CUDA where this torch has it."""
+        params = [p for p in self.parameters() if p.requires_grad]  # the tied weight comes once
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if fused is None:
+            fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        if verbose:
+            print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} parameters), "
+                  f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,}), fused AdamW: {fused}")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    # -------------------------------------------------------------------------
+    # Hugging Face / OpenAI weights
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, verbose=True):
+        """Load OpenAI's GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl; downloaded from the hub on
+        first use) or any GPT-2 directory written by transformers' save_pretrained (offline)."""
+        from transformers import GPT2LMHeadModel
+        if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
+            raise ValueError(f"init_from={name_or_path!r} is neither a GPT-2 name ({', '.join(PRETRAINED)}) "
+                             "nor a directory written by save_pretrained")
+        if verbose:
+            where = "the Hugging Face hub (cached after the first download)" if name_or_path in PRETRAINED else "disk"
+            print(f"loading GPT-2 weights {name_or_path!r} from {where}")
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+        except OSError as e:  # offline, no cache, or a directory without weights
+            raise ValueError(f"could not load {name_or_path!r}: {str(e).splitlines()[0]} "
+                             "(hub names need network on first use; or pass a save_pretrained directory)") from None
+        c = hf.config
+        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU is supported")
+        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
+        model = cls(config)
+        sd = model.state_dict()
+        sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        if set(sd) != set(sd_hf):
+            raise ValueError(f"{name_or_path!r} does not have GPT-2's layout: unexpected {sorted(set(sd_hf) - set(sd))[:3]}, "
+                             f"missing {sorted(set(sd) - set(sd_hf))[:3]}")
+        with torch.no_grad():
+            for k, v in sd_hf.items():
+                if k.endswith(_CONV1D):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+                    v = v.t()
+                assert sd[k].shape == v.shape, f"shape mismatch for {k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
+                sd[k].copy_(v)
+        return model
+
+    def save_pretrained(self, out_dir):
+        """Write a directory that GPT2LMHeadModel.from_pretrained loads with the same logits.
+        A padded vocab (50304) is cropped back to the 50257 real tokens."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+        c = self.config
+        vocab = min(c.vocab_size, GPT2_VOCAB_SIZE)
+        hf_config = GPT2Config(vocab_size=vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                               n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                               attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+        hf = GPT2LMHeadModel(hf_config)
+        sd_hf = hf.state_dict()
+        with torch.no_grad():
+            for k, v in self.state_dict().items():
+                if k.endswith(_CONV1D):
+                    v = v.t()
+                if k in ("transformer.wte.weight", "lm_head.weight"):
+                    v = v[:vocab]
+                sd_hf[k].copy_(v)
+        hf.save_pretrained(out_dir)
+
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+# -----------------------------------------------------------------------------
+# FLOPs and model FLOPs utilisation (MFU)
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
+    c = model.config
+    return 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
+
+
+# Dense peak TFLOP/s from the vendors' datasheets (no sparsity), per operand type of the matmuls:
+# 'fp32' plain FP32 FMA, 'tf32' FP32 matmuls on tensor cores, 'bf16'/'fp16' with FP32 accumulate.
+# Each entry: (regex on torch.cuda.get_device_name(), {dtype: TFLOP/s}). First match wins.
+PEAK_TFLOPS = [
+    (r"H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"H100.*(PCIe)", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100.*(SXM|HBM3)", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"RTX 4090(?! D)", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (r"RTX 3090(?! Ti)", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    (r"V100-SXM", {"fp16": 125.0, "fp32": 15.7}),
+    (r"V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+]
+_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def peak_flops(device_name, dtype, tf32=False):
+    """Peak FLOP/s of this GPU for matmuls in dtype (torch dtype or 'bf16'/'fp16'/'fp32'/'tf32'),
+    or None for an unknown device, a CPU (device_name None) or a dtype the chip has no rate for."""
+    if not device_name:
+        return None
+    key = _DTYPE_KEY.get(dtype, dtype)
+    if key == "fp32" and tf32:
+        key = "tf32"
+    for pattern, table in PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return table[key] * 1e12 if key in table else None
+    return None
+
+
+def estimate_mfu(flops_per_tok, tokens_per_s, device_name, dtype, tf32=False):
+    """Model FLOPs utilisation in [0, 1], or None where the peak is unknown."""
+    peak = peak_flops(device_name, dtype, tf32)
+    return None if peak is None else flops_per_tok * tokens_per_s / peak
+
+
+if __name__ == "__main__":
+    for name, kw in PRETRAINED.items():
+        with torch.device("meta"):
+            m = GPT(GPTConfig(vocab_size=50304, **kw))
+        print(f"{name:12s} {m.num_params(non_embedding=False) / 1e6:7.1f}M params, "
+              f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")

@@ -1,0 +1,172 @@
+import math
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import make_hf_gpt2
+from model import GPT, GPTConfig, estimate_mfu, flops_per_token, peak_flops
+
+
+def hf_logits(path, idx):
+    hf = GPT2LMHeadModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        return hf(idx).logits
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=2, n_head=4, n_embd=64), dict(n_layer=3, n_head=3, n_embd=48)])
+def test_logits_match_hf(tmp_path, shape):
+    path = make_hf_gpt2(str(tmp_path), n_positions=64, **shape)
+    model = GPT.from_pretrained(path, verbose=False).eval()
+    assert model.config.n_layer == shape["n_layer"] and model.config.n_embd == shape["n_embd"]
+    idx = torch.randint(0, 50257, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, _ = model(idx)
+    ref = hf_logits(path, idx)
+    assert ours.shape == ref.shape == (3, 64, 50257)
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_weight_tying_after_from_pretrained(hf_dir):
+    model = GPT.from_pretrained(hf_dir, verbose=False)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with torch.no_grad():
+        model.transformer.wte.weight[0, 0] += 1.0
+    assert model.lm_head.weight[0, 0] == model.transformer.wte.weight[0, 0]
+
+
+def test_from_pretrained_bad_name():
+    with pytest.raises(ValueError, match="neither a GPT-2 name"):
+        GPT.from_pretrained("/no/such/dir", verbose=False)
+
+
+def test_export_round_trip_crops_padded_vocab(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
+    model.save_pretrained(str(tmp_path))
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        ours, _ = model(idx)
+    ref = hf_logits(str(tmp_path), idx)
+    assert ref.shape[-1] == 50257
+    assert (ours[..., :50257] - ref).abs().max().item() < 1e-4
+    back = GPT.from_pretrained(str(tmp_path), verbose=False).eval()
+    with torch.no_grad():
+        again, _ = back(idx)
+    assert (again - ours[..., :50257]).abs().max().item() < 1e-5
+
+
+def test_init_loss_is_ln_vocab():
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(config)
+    idx = torch.randint(0, 50257, (4, 65))
+    _, loss = model(idx[:, :-1], idx[:, 1:])  # next tokens are random: nothing to know at init
+    assert abs(loss.item() - math.log(config.vocab_size)) < 0.1
+
+
+def test_masked_targets_are_ignored():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16))
+    idx = torch.randint(0, 100, (2, 16))
+    targets = idx.clone()
+    targets[:, :8] = -1
+    logits, loss = model(idx, targets)
+    ref = torch.nn.functional.cross_entropy(logits[:, 8:].reshape(-1, 100), idx[:, 8:].reshape(-1))
+    assert torch.allclose(loss, ref)
+
+
+def test_naive_attention_matches_sdpa():
+    torch.manual_seed(0)
+    a = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32)).eval()
+    b = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32, attn_impl="naive")).eval()
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 100, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(a(idx)[0], b(idx)[0], atol=1e-5)
+
+
+def test_single_batch_overfits():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64))
+    x = torch.randint(0, 256, (4, 33))
+    opt = model.configure_optimizers(0.0, 3e-3, "cpu", verbose=False)
+    for _ in range(150):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5
+
+
+def test_decay_groups_are_exactly_2d(capsys):
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16))
+    opt = model.configure_optimizers(0.1, 1e-3, "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = lambda ps: {id(p) for p in ps}
+    two_d = {id(p) for p in model.parameters() if p.dim() == 2}
+    assert ids(decay["params"]) == two_d
+    assert ids(no_decay["params"]) == {id(p) for p in model.parameters() if p.dim() != 2}
+    # the tied embedding is one tensor, counted once
+    assert len(decay["params"]) == 1 + 1 + 4 * 2  # wte(=lm_head), wpe, 4 matmuls per layer
+    assert "decayed tensors" in capsys.readouterr().out
+
+
+def test_topk_never_leaves_top_k():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    k = 3
+    for seed in range(30):
+        idx = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(seed))
+        out = model.generate(idx, 1, temperature=1.5, top_k=k, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            top = model(idx)[0][:, -1].topk(k).indices
+        assert all(out[b, -1] in top[b] for b in range(4))
+
+
+def test_generate_reproducible_and_crops_context():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    idx = torch.randint(0, 64, (2, 6))
+    a = model.generate(idx, 20, top_k=10, generator=torch.Generator().manual_seed(7))  # passes block_size
+    b = model.generate(idx, 20, top_k=10, generator=torch.Generator().manual_seed(7))
+    assert a.shape == (2, 26) and torch.equal(a, b)
+    assert torch.equal(a[:, :6], idx)
+
+
+def test_generate_never_samples_padding_rows():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[50257:] = 100.0 * model.lm_head.weight[0]  # make padding rows dominate
+    out = model.generate(torch.zeros(2, 1, dtype=torch.long), 5, generator=torch.Generator().manual_seed(0))
+    assert out.max().item() < 50257
+
+
+def test_flops_per_token_124m():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50304))
+    # 6N + 12 L H Q T with N = 124.5M minus the 0.79M position table
+    n = model.num_params()
+    assert n == sum(p.numel() for p in model.parameters()) - 1024 * 768
+    assert flops_per_token(model, 1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
+
+
+def test_mfu_table():
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_flops("NVIDIA A10", torch.bfloat16) == 125e12
+    assert peak_flops("Tesla T4", torch.float16) == 65e12
+    assert peak_flops("Tesla T4", torch.bfloat16) is None  # no bf16 tensor cores: never a made-up peak
+    assert peak_flops("Tesla V100-SXM2-16GB", torch.float16) == 125e12
+    assert peak_flops("NVIDIA GeForce RTX 4090", "bf16") == 165.2e12
+    assert peak_flops("NVIDIA H200", torch.bfloat16) == 989.4e12
+    assert peak_flops("NVIDIA L40S", torch.bfloat16) is None  # not "L4"
+    assert peak_flops("Some Future GPU", torch.bfloat16) is None
+    assert peak_flops(None, torch.float32) is None  # CPU
+    mfu = estimate_mfu(1e9, 100e3, "NVIDIA A100-SXM4-80GB", torch.bfloat16)
+    assert mfu == pytest.approx(1e9 * 100e3 / 312e12)
+    assert estimate_mfu(1e9, 100e3, None, torch.float32) is None

