@@ -233,6 +233,15 @@ class GPT(nn.Module):
                 sd[k].copy_(v)
         return model
 
+    @classmethod
+    def from_checkpoint(cls, path, map_location="cpu"):
+        """Load the model from one of train_gpt2.py's checkpoints (ckpt_XXXXXX.pt): its 'model_args'
+        build the GPTConfig and 'model' holds the state_dict (no compile/DDP prefixes)."""
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        model = cls(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+        return model
+
     def save_pretrained(self, out_dir):
         """Write a directory that GPT2LMHeadModel.from_pretrained loads with the same logits.
         A padded vocab (50304) is cropped back to the 50257 real tokens."""

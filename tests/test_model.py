@@ -170,3 +170,13 @@ def test_mfu_table():
     mfu = estimate_mfu(1e9, 100e3, "NVIDIA A100-SXM4-80GB", torch.bfloat16)
     assert mfu == pytest.approx(1e9 * 100e3 / 312e12)
     assert estimate_mfu(1e9, 100e3, None, torch.float32) is None
+
+
+def test_from_checkpoint(tmp_path):
+    config = GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config)
+    from dataclasses import asdict
+    torch.save({"model": model.state_dict(), "model_args": asdict(config), "step": 3}, tmp_path / "ckpt.pt")
+    back = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert back.config == config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
