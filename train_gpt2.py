@@ -14,6 +14,7 @@ out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exact
 import bisect
 import dataclasses
 import difflib
+import functools
 import glob
 import json
 import math
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, GPTConfig, estimate_mfu, flops_per_token
+from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, estimate_mfu, flops_per_token
 
 
 class UserError(Exception):
@@ -167,8 +168,6 @@ def validate(cfg):
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-    if cfg.seq_len > cfg.block_size and cfg.init_from == "scratch":
-        raise UserError(f"seq_len={cfg.seq_len} is longer than block_size={cfg.block_size}: lower seq_len or raise block_size")
 
 # -----------------------------------------------------------------------------
 # precision path: chosen from the GPU's compute capability, in exactly one place
@@ -586,8 +585,11 @@ def train(argv, ddp, rank, master):
         raw_model = build_model(cfg)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
         setattr(cfg, k, getattr(raw_model.config, k))
+    if cfg.sample_interval > 0 and cfg.vocab_size < GPT2_VOCAB_SIZE:
+        say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling is off")
+        cfg.sample_interval = 0
     if T > cfg.block_size:
-        raise UserError(f"seq_len={T} is longer than the model's block_size={cfg.block_size}: lower seq_len")
+        raise UserError(f"seq_len={T} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
     raw_model.to(device)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device_type, verbose=master)
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
@@ -603,7 +605,7 @@ def train(argv, ddp, rank, master):
         del ckpt
     model = torch.compile(raw_model) if plan.compile else raw_model  # eval uses this one
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
-    amp = lambda: amp_context(device_type, plan)  # noqa: E731 (a fresh context per use)
+    amp = functools.partial(amp_context, device_type, plan)  # amp() gives a fresh context each time
 
     # HellaSwag: examples loaded once, at start-up (a download shows here, not mid-run)
     hellaswag, hs_examples = None, None

@@ -258,7 +258,7 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [bad_config(t, "resume = 1\n")], "resume must be true or false, got 1"),
     (lambda t: [bad_config(t, "n_layer = = 2\n")], "does not run: SyntaxError"),
     (["--total_batch_size=100"], "total_batch_size=100 is not a multiple of micro_batch_size x seq_len x world_size"),
-    (["--seq_len=64"], "seq_len=64 is longer than block_size=32"),
+    (["--seq_len=64", "--total_batch_size=128"], "seq_len=64 is longer than block_size=32"),
     (["--n_head=3"], "n_embd=32 must be divisible by n_head=3"),
     (["--max_steps=0"], "max_steps must be at least 1"),
     (["--max_lr=-1"], "max_lr must not be negative"),
