@@ -307,14 +307,17 @@ def test_quickstart_prepares_its_corpus_and_trains(tmp_path, capsys):
     pytest.importorskip("fineweb")
     data, out = str(tmp_path / "data"), str(tmp_path / "out")
     args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={data}", f"--out_dir={out}",
-            "--max_steps=2", "--micro_batch_size=2", "--seq_len=32", "--total_batch_size=64", "--eval_interval=1",
+            "--max_steps=2", "--micro_batch_size=2", "--seq_len=32", "--total_batch_size=64", "--eval_interval=2",
             "--val_steps=1", "--sample_interval=2", "--sample_tokens=4", "--num_samples=1"]
     assert main(args) == 0
     shards = sorted(f for f in os.listdir(data) if f.endswith(".npy"))
     assert any("val" in f for f in shards) and any("train" in f for f in shards)
     n_tok = sum(len(np.load(os.path.join(data, f), mmap_mode="r")) for f in shards)
     assert 100_000 < n_tok < 300_000  # pydoc_data.topics is ~0.5 MB of text
-    assert [e["step"] for e in read_log(out) if "val_loss" in e] == [0, 1, 2]
+    assert [e["step"] for e in read_log(out) if "val_loss" in e] == [0, 2]
     assert os.path.isfile(os.path.join(out, "ckpt_000002.pt"))
     assert "sample: 'The for statement" in capsys.readouterr().out
-    assert main(args) == 0  # second run: the corpus is there, not rebuilt
+    stamps = {f: os.path.getmtime(os.path.join(data, f)) for f in shards}
+    assert main(args + ["--max_steps=1", "--eval_interval=0", "--sample_interval=0"]) == 0
+    assert "building the quickstart corpus" not in capsys.readouterr().out  # the corpus is there: not rebuilt
+    assert stamps == {f: os.path.getmtime(os.path.join(data, f)) for f in shards}
