@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -350,7 +351,7 @@ def has_shards(data_dir):
 # model
 
 
-def build_model(cfg):
+def build_model(cfg, verbose=True):
     """The model to train: fresh, OpenAI/Hugging Face weights, or one of our checkpoints."""
     if cfg.init_from == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
@@ -360,7 +361,7 @@ def build_model(cfg):
             raise UserError(f"init_from={cfg.init_from!r}: no such checkpoint file")
         return GPT.from_checkpoint(cfg.init_from)
     try:
-        return GPT.from_pretrained(cfg.init_from)
+        return GPT.from_pretrained(cfg.init_from, verbose=verbose)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -498,6 +499,28 @@ def sample(raw_model, cfg, device, amp):
     raw_model.train()
     return [enc.decode(row.tolist()) for row in out]
 
+
+def load_hellaswag(cfg, master, ddp, say):
+    """(the hellaswag module, its examples) when HellaSwag evals are on and hellaswag.py is there, else
+    (None, None). Loaded once, at start-up, so that a download shows here and not mid-run; rank 0 first
+    (it downloads), then the others (they read its cache)."""
+    if cfg.hellaswag_interval == 0:
+        return None, None
+    if importlib.util.find_spec("hellaswag") is None:
+        say("note: hellaswag.py not found; HellaSwag evaluation is skipped")
+        return None, None
+    import hellaswag
+    examples = None
+    for turn in ("first", "rest"):
+        if master == (turn == "first"):
+            try:
+                examples = hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
+            except Exception as e:  # offline, a missing or malformed file: the user's to fix
+                raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
+        if ddp:
+            dist.barrier()
+    return hellaswag, examples[:cfg.hellaswag_limit or None]
+
 # -----------------------------------------------------------------------------
 # setup: device, distributed, batch
 
@@ -582,7 +605,7 @@ def train(argv, ddp, rank, master):
         raw_model = GPT(GPTConfig(**ckpt["model_args"]))
         raw_model.load_state_dict(ckpt["model"])
     else:
-        raw_model = build_model(cfg)
+        raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
         setattr(cfg, k, getattr(raw_model.config, k))
     if cfg.sample_interval > 0 and cfg.vocab_size < GPT2_VOCAB_SIZE:
@@ -607,25 +630,7 @@ def train(argv, ddp, rank, master):
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
     amp = functools.partial(amp_context, device_type, plan)  # amp() gives a fresh context each time
 
-    # HellaSwag: examples loaded once, at start-up (a download shows here, not mid-run)
-    hellaswag, hs_examples = None, None
-    if cfg.hellaswag_interval > 0:
-        try:
-            import hellaswag
-        except ImportError:
-            say("note: hellaswag.py not found; HellaSwag evaluation is skipped")
-            hellaswag = None
-    if hellaswag is not None:
-        for turn in ("first", "rest"):  # rank 0 downloads, then the others read the cache
-            if master == (turn == "first"):
-                try:
-                    hs_examples = hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
-                except Exception as e:  # network, missing file, bad json: a user-facing problem
-                    raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
-            if ddp:
-                dist.barrier()
-        if cfg.hellaswag_limit:
-            hs_examples = hs_examples[:cfg.hellaswag_limit]
+    hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 
     # the banner, the resolved config, the log
     if device_type == "cuda":
