@@ -256,7 +256,7 @@ def amp_context(device_type, plan):
 
 def shard_paths(data_dir, split):
     """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
-    how = f"prepare them with `python fineweb.py --out_dir {data_dir}` (or try `python train_gpt2.py configs/quickstart.py`)"
+    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}` (or try `python train_gpt2.py configs/quickstart.py`)"
     if not os.path.isdir(data_dir):
         raise UserError(f"data_dir {data_dir!r} does not exist: {how}")
     paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".npy") and split in f)
