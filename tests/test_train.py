@@ -136,6 +136,29 @@ def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
     a, b = step_losses(out), step_losses(straight_run)
     assert all(abs(a[s] - b[s]) < 1e-5 for s in b)
 
+
+def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
+    """A save that dies half-way leaves the previous checkpoint intact, and resume ignores the debris."""
+    good = os.path.join(straight_run, "ckpt_000008.pt")
+    path = str(tmp_path / "ckpt_000008.pt")
+    shutil.copy(good, path)
+    ckpt = load_ckpt(path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+    def dying_save(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", dying_save)
+    loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
+    with pytest.raises(OSError, match="disk full"):
+        train_gpt2.save_checkpoint(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 9,
+                                   Config(), loader)
+    assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
+    shutil.copy(good, tmp_path / "ckpt_000004.pt")
+    assert train_gpt2.latest_checkpoint(str(tmp_path)) == path  # newest by step; the .tmp is not a candidate
+
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
 
