@@ -130,11 +130,15 @@ def test_jsonl_parquet_and_compressed(tmp_path):
     with open(tmp_path / "c.json", "w") as f:
         f.writelines(json.dumps({"body": t}) + "\n" for t in rows[25:])
     txt = write_txt(tmp_path, ["and a text file"])
+    with gzip.open(tmp_path / "d.txt.gz", "wt", encoding="utf-8", newline="") as f:
+        f.write("a gzipped\r\ntext file, one document\n\n")
     out = str(tmp_path / "out")
-    srcs = [str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.parquet"), *txt, str(tmp_path / "c.json")]
+    srcs = [str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.parquet"), *txt, str(tmp_path / "c.json"),
+            str(tmp_path / "d.txt.gz")]
     assert fineweb.main(["--source", *srcs, "--text_column", "body", "--out_dir", out, "--shard_size", "50",
                          "--num_proc", "1"]) == 0
-    assert np.array_equal(concat(out), reference(rows[:25] + ["and a text file"] + rows[25:]))
+    expected = rows[:25] + ["and a text file"] + rows[25:] + ["a gzipped\r\ntext file, one document\n\n"]
+    assert np.array_equal(concat(out), reference(expected))
 
 
 def test_max_tokens_stops_early(corpus, built, tmp_path):
@@ -281,3 +285,32 @@ def test_out_dir_from_another_source_is_left_alone(corpus, built, tmp_path, caps
     before = snapshot(foreign)
     assert "no manifest.json" in run_error(capsys, ["--source", *corpus, "--out_dir", foreign, "--num_proc", "1"])
     assert snapshot(foreign) == before
+
+
+def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
+    """The hub code path (load_dataset(--dataset, --name, streaming=True)), on a local parquet folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [f"document {i}: " + "text " * (i % 7) for i in range(60)]
+    os.makedirs(tmp_path / "hub" / "data")
+    for f in range(3):
+        pq.write_table(pa.table({"id": list(range(20)), "text": rows[20 * f:20 * f + 20]}),
+                       tmp_path / "hub" / "data" / f"train-{f:05d}-of-00003.parquet")
+    argv = ["--dataset", str(tmp_path / "hub"), "--name", "default", "--shard_size", "64", "--num_proc", "1"]
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "a")]) == 0
+    assert np.array_equal(concat(tmp_path / "a"), reference(rows))
+
+    real_write_shard = fineweb.write_shard
+    calls = []
+
+    def write_shard_then_stop(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 130
+    monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 0
+    assert snapshot(tmp_path / "b") == snapshot(tmp_path / "a")
