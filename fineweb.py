@@ -461,19 +461,40 @@ def encode_one(doc):
 
 def naive_tokens(docs, pool):
     """The straightforward way: one document per task through a process pool, encode_ordinary,
-    append to a list."""
+    append to a list; then the uint16 array a shard is written from."""
     tokens = []
     for toks in pool.imap(encode_one, docs):
         tokens.append(EOT)
         tokens.extend(toks)
-    return tokens
+    return np.array(tokens, dtype=np.uint16)
 
 
 def our_tokens(docs, pool, num_proc):
     return np.concatenate(list(tokenize(iter(docs), pool, num_proc)))
 
 
-def bench_corpus(mb=8):
+def cpu_seconds():
+    """CPU seconds used so far by this process and its live children (worker pools); None off Linux."""
+    try:
+        total = 0
+        for pid in [os.getpid()] + [p.pid for p in multiprocessing.active_children()]:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return None
+
+
+def timed(fn, *args):
+    """(result, wall seconds, CPU seconds or None)"""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    out = fn(*args)
+    t1, c1 = time.perf_counter(), cpu_seconds()
+    return out, t1 - t0, None if c0 is None else c1 - c0
+
+
+def bench_corpus(mb=16):
     """About `mb` MB of documents from Python's own help topics and standard library sources, each .py
     file cut at its top-level blank-line breaks: sizes like web pages' (hundreds to thousands of tokens)."""
     import sysconfig
@@ -495,35 +516,33 @@ def bench_corpus(mb=8):
 
 
 def bench(args):
-    """Steady-state tokens/s of both pipelines on the same documents, with their worker processes
-    started and their tokenizers loaded before the clock starts (a one-off cost, timed apart)."""
+    """Both pipelines on the same documents, their worker processes started and tokenizers loaded
+    before the clock starts (a one-off cost). Wall-clock tokens/s, and CPU seconds per million tokens
+    summed over the main process and the workers: the steadier number on a busy machine."""
     docs = list(iter_documents(args)) if args.source else bench_corpus()
     n = args.num_proc
     print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text, num_proc={n}")
-    t0 = time.perf_counter()
     naive_pool = multiprocessing.get_context("spawn").Pool(n, initializer=worker_init)
     naive_pool.map(encode_one, ["warm up"] * n)
     our_pool = start_pool(n)
     our_tokens(["warm up"] * n, our_pool, n)
-    print(f"starting both pools: {time.perf_counter() - t0:.1f} s")
     try:
         for rep in range(2):
-            t0 = time.perf_counter()
-            naive = naive_tokens(docs, naive_pool)
-            t1 = time.perf_counter()
-            ours = our_tokens(docs, our_pool, n)
-            t2 = time.perf_counter()
-            if not np.array_equal(ours, np.array(naive, dtype=np.uint16)):
+            naive, naive_s, naive_cpu = timed(naive_tokens, docs, naive_pool)
+            ours, our_s, our_cpu = timed(our_tokens, docs, our_pool, n)
+            if not np.array_equal(ours, naive):
                 raise FineWebError("the fast path's tokens differ from encode_ordinary's: a bug, please report it")
-            naive_rate, our_rate = len(naive) / (t1 - t0), len(ours) / (t2 - t1)
-            print(f"run {rep + 1}: {len(ours):,} tokens ({len(ours) / len(docs):.0f} a document), identical; "
-                  f"naive {naive_rate / 1e6:.2f}M tok/s, ours {our_rate / 1e6:.2f}M tok/s, "
-                  f"ratio {our_rate / naive_rate:.2f}x")
+            line = f"run {rep + 1}: {len(ours):,} tokens, identical; naive {len(ours) / naive_s / 1e6:.2f}M tok/s, " \
+                   f"ours {len(ours) / our_s / 1e6:.2f}M tok/s, ratio {naive_s / our_s:.2f}x"
+            if naive_cpu is not None:
+                line += f"; CPU s per 1M tokens: naive {naive_cpu / len(ours) * 1e6:.3f}, " \
+                        f"ours {our_cpu / len(ours) * 1e6:.3f}, ratio {naive_cpu / our_cpu:.2f}x"
+            print(line)
     finally:
         naive_pool.terminate()
         if our_pool is not None:
             our_pool.shutdown()
-    # end to end, pool start included: the documents as a .jsonl -> datasets -> shards, sha256, manifest
+    # end to end: the documents as a .jsonl -> datasets -> shards, sha256, manifest
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "corpus.jsonl")
         with open(path, "w") as f:
@@ -531,8 +550,8 @@ def bench(args):
         t0 = time.perf_counter()
         build(parse_args(["--source", path, "--out_dir", os.path.join(tmp, "out"), "--shard_size", "1000000",
                           "--num_proc", str(n)]))
-        print(f"end to end (.jsonl -> shards + manifest, pool start included): "
-              f"{len(ours) / (time.perf_counter() - t0) / 1e6:.2f}M tok/s")
+        print(f"end to end: main() on it as one .jsonl took {time.perf_counter() - t0:.1f} s, importing datasets "
+              "and starting the pool included")
 
 # -----------------------------------------------------------------------------
 
