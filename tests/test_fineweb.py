@@ -233,6 +233,8 @@ def test_bad_sources(tmp_path, capsys):
     assert "is empty" in run_error(capsys, ["--source", str(empty), "--out_dir", out])
     (tmp_path / "rows.csv").write_text("text\nhi\n")
     assert "unsupported file type" in run_error(capsys, ["--source", str(tmp_path / "rows.csv"), "--out_dir", out])
+    good = write_txt(tmp_path, ["fine"])
+    assert "is a file" in run_error(capsys, ["--source", *good, "--out_dir", str(empty)])
     assert not os.path.exists(out)
 
 
@@ -314,3 +316,9 @@ def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
     assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 0
     assert snapshot(tmp_path / "b") == snapshot(tmp_path / "a")
+
+
+def test_dataset_that_cannot_be_opened(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"), "--num_proc", "1"])
+    assert "could not open" in line and "empty" in line
