@@ -295,10 +295,11 @@ def load_manifest(out_dir):
     try:
         with open(path) as f:
             manifest = json.load(f)
-        manifest["settings"], manifest["shards"]  # noqa: B018 (the keys every manifest has)
-        return manifest
-    except (ValueError, KeyError, TypeError) as e:
-        raise FineWebError(f"{path} is not a manifest this script wrote ({e}); move {out_dir} aside or delete it")
+    except ValueError as e:
+        raise FineWebError(f"{path} is not valid JSON ({e}); move {out_dir} aside or delete it")
+    if not isinstance(manifest, dict) or not {"tokenizer", "settings", "shards"} <= manifest.keys():
+        raise FineWebError(f"{path} is not a manifest this script wrote; move {out_dir} aside or delete it")
+    return manifest
 
 
 def check_shard(out_dir, shard):
@@ -347,7 +348,8 @@ def resume(out_dir, settings):
             raise FineWebError(f"{out_dir} holds shards ({loose_shards(out_dir)[0]}, ...) but no {MANIFEST}: "
                                "they are not from this script; use another --out_dir")
         return [], (0, 0)
-    diff = difference(manifest["settings"], settings)
+    diff = difference({"tokenizer": manifest["tokenizer"], **manifest["settings"]},
+                      {"tokenizer": tokenizer_info(), **settings})
     if diff:
         raise FineWebError(f"{out_dir} holds shards made from {diff}: use another --out_dir, "
                            f"or delete {out_dir} to start over")
@@ -363,8 +365,12 @@ def resume(out_dir, settings):
     return kept, tuple(kept[-1]["next"]) if kept else (0, 0)
 
 
+def tokenizer_info():
+    return {**vocab_hashes(), "eot": EOT, "dtype": "uint16"}
+
+
 def make_manifest(settings, shards, complete):
-    return {"tokenizer": {**vocab_hashes(), "eot": EOT, "dtype": "uint16"}, "settings": settings,
+    return {"tokenizer": tokenizer_info(), "settings": settings,
             "shards": shards, "total_tokens": sum(s["tokens"] for s in shards),
             "documents": shards[-1]["next"][0] + (shards[-1]["next"][1] > 0) if shards else 0,
             "complete": complete}

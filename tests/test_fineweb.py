@@ -281,6 +281,16 @@ def test_out_dir_from_another_source_is_left_alone(corpus, built, tmp_path, caps
     assert "shard_size=37" in line
     assert snapshot(out) == before
 
+    other = str(tmp_path / "other")  # same settings, another tokenizer; then a manifest that is not one
+    os.makedirs(other)
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    manifest["tokenizer"]["vocab_bpe_sha256"] = "0" * 64
+    json.dump(manifest, open(os.path.join(other, "manifest.json"), "w"))
+    argv = ["--source", *corpus, "--out_dir", other, "--shard_size", "37", "--num_proc", "1"]
+    assert "tokenizer=" in run_error(capsys, argv)
+    open(os.path.join(other, "manifest.json"), "w").write("{not json")
+    assert "not valid JSON" in run_error(capsys, argv)
+
     foreign = str(tmp_path / "foreign")  # build-nanogpt's shards, no manifest
     os.makedirs(foreign)
     np.save(os.path.join(foreign, "edufineweb_train_000001.npy"), np.arange(10, dtype=np.uint16))
