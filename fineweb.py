@@ -50,18 +50,19 @@ class FineWebError(Exception):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Tokenize FineWeb-Edu (or local files) into GPT-2 uint16 shards.")
+    p = argparse.ArgumentParser(description="Tokenize FineWeb-Edu (or local files) into GPT-2 uint16 shards.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hugging Face dataset to stream")
     p.add_argument("--name", default="sample-10BT", help="the dataset's subset (config)")
-    p.add_argument("--split", default="train")
-    p.add_argument("--text_column", default="text")
+    p.add_argument("--split", default="train", help="the dataset's split")
+    p.add_argument("--text_column", default="text", help="the column that holds the documents (hub, .jsonl, .parquet)")
     p.add_argument("--source", nargs="+", metavar="PATH", help="local .txt/.jsonl/.json/.parquet files instead of the hub")
-    p.add_argument("--out_dir", default="edu_fineweb10B")
+    p.add_argument("--out_dir", default="edu_fineweb10B", help="where the shards and manifest.json go")
     p.add_argument("--prefix", default="edufineweb", help="shard names: {prefix}_{val|train}_{index:06d}.npy")
     p.add_argument("--shard_size", type=int, default=10**8, help="tokens per shard")
     p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (for trials)")
     p.add_argument("--num_proc", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                   else os.cpu_count(), help="tokenizer processes (1: no pool)")
+                   else os.cpu_count() or 1, help="tokenizer processes (1: no pool); the default is every core")
     p.add_argument("--verify", action="store_true", help="re-check the shards in --out_dir against its manifest")
     p.add_argument("--bench", action="store_true", help="benchmark the tokenizer pipeline against a naive one")
     args = p.parse_args(argv)
