@@ -557,7 +557,7 @@ def bench(args):
                 raise FineWebError("the fast path's tokens differ from encode_ordinary's: a bug, please report it")
             line = f"run {rep + 1}: {len(ours):,} tokens, identical; naive {len(ours) / naive_s / 1e6:.2f}M tok/s, " \
                    f"ours {len(ours) / our_s / 1e6:.2f}M tok/s, ratio {naive_s / our_s:.2f}x"
-            if naive_cpu is not None:
+            if naive_cpu and our_cpu:  # None off Linux; 0 when the corpus is too small for the clock ticks
                 line += f"; CPU s per 1M tokens: naive {naive_cpu / len(ours) * 1e6:.3f}, " \
                         f"ours {our_cpu / len(ours) * 1e6:.3f}, ratio {naive_cpu / our_cpu:.2f}x"
             print(line)
