@@ -17,8 +17,8 @@ Every shard is written under a temp name and renamed, and the manifest is rewrit
 after each one. Run the same command again after an interruption: shards the manifest vouches for
 are kept, the rest is redone, and the output is byte-identical to an uninterrupted run.
 
-A .txt source is one document; .jsonl/.json/.parquet sources have one document per row (--text_column),
-also compressed (.gz, .bz2, .xz, .zst) where `datasets` reads them.
+A .txt source (also .txt.gz/.bz2/.xz) is one document; .jsonl/.json/.parquet sources have one document
+per row (--text_column), .jsonl/.json also compressed (.gz, .bz2, .xz, .zst) as `datasets` reads them.
 """
 import argparse
 import bz2
