@@ -439,8 +439,11 @@ def build(args):
         buf = np.empty(args.shard_size, dtype=np.uint16)
 
     bar = tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True, desc="tokenizing", smoothing=0.05)
-    pool = start_pool(args.num_proc)
-    stream = tokenize(iter_documents(args, skip=doc), pool, args.num_proc)
+    # a local source of about one batch is encoded faster here than it takes to start a pool
+    small = args.source and sum(os.path.getsize(p) for p in args.source) <= BATCH_CHARS
+    num_proc = 1 if small else args.num_proc
+    pool = start_pool(num_proc)
+    stream = tokenize(iter_documents(args, skip=doc), pool, num_proc)
     try:
         for tokens in stream:  # (n,) uint16: whole documents doc, doc+1, ..., each starting with EOT
             pos, offset = offset, 0  # after a resume, the first `offset` tokens are in the last kept shard

@@ -115,9 +115,22 @@ def test_encode_docs_matches_encode_ordinary():
 
 def test_num_proc_2_is_byte_identical(corpus, built, tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "BATCH_CHARS", 100)  # many small batches through the pool
+    started = []
+    real_start_pool = fineweb.start_pool
+    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
     out = str(tmp_path / "out")
     assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "2"]) == 0
+    assert started == [2]
     assert snapshot(out) == snapshot(built)
+
+
+def test_small_local_source_needs_no_pool(corpus, built, tmp_path, monkeypatch):
+    started = []
+    real_start_pool = fineweb.start_pool
+    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
+    out = str(tmp_path / "out")
+    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "8"]) == 0
+    assert started == [1] and snapshot(out) == snapshot(built)
 
 
 def test_jsonl_parquet_and_compressed(tmp_path):
