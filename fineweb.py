@@ -549,9 +549,10 @@ def bench(args):
     n = args.num_proc
     print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text, num_proc={n}")
     naive_pool = multiprocessing.get_context("spawn").Pool(n, initializer=worker_init)
-    naive_pool.map(encode_one, ["warm up"] * n)
+    naive_pool.map(time.sleep, [1] * n, chunksize=1)  # one task a worker: all started, tokenizers loaded
     our_pool = start_pool(n)
-    our_tokens(["warm up"] * n, our_pool, n)
+    if our_pool is not None:
+        list(our_pool.map(time.sleep, [1] * n))  # (workers start as tasks arrive)
     try:
         for rep in range(2):
             naive, naive_s, naive_cpu = timed(naive_tokens, docs, naive_pool)
