@@ -106,11 +106,9 @@ def test_stream_and_shard_layout(corpus, built):
 
 
 def test_encode_docs_matches_encode_ordinary():
-    enc = get_encoding()
     docs = ["plain", "", "has <|endoftext|> inside", "lone surrogate \ud800 here"]
     for batch in ([docs[0], docs[1]], docs, [docs[3]]):  # fast path, marker fallback, surrogate fallback
         assert np.array_equal(fineweb.encode_docs(batch), reference(batch))
-    assert enc.encode_ordinary(docs[3])  # the reference itself repairs the surrogate
 
 
 def test_num_proc_2_is_byte_identical(corpus, built, tmp_path, monkeypatch):
