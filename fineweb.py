@@ -526,17 +526,18 @@ def bench_corpus(mb=16):
     import sysconfig
     from pydoc_data.topics import topics
     docs = list(topics.values())
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for root, dirs, files in sorted(os.walk(stdlib)):
+    chars = sum(map(len, docs))
+    for root, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):  # top-down, in sorted order
         dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "test", "tests", "idlelib"))
-        for f in sorted(files):
-            if f.endswith(".py"):
-                try:
-                    with open(os.path.join(root, f), encoding="utf-8") as fh:
-                        docs.extend(p for p in fh.read().split("\n\n\n") if p.strip())
-                except (UnicodeDecodeError, OSError):
-                    pass
-            if sum(map(len, docs)) > mb * 1e6:  # cheap enough at this size
+        for f in sorted(f for f in files if f.endswith(".py")):
+            try:
+                with open(os.path.join(root, f), encoding="utf-8") as fh:
+                    parts = [p for p in fh.read().split("\n\n\n") if p.strip()]
+            except (UnicodeDecodeError, OSError):
+                continue
+            docs += parts
+            chars += sum(map(len, parts))
+            if chars > mb * 1e6:
                 return docs
     return docs
 
