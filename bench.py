@@ -38,7 +38,7 @@ SIZES["tiny"] = dict(n_layer=2, n_head=4, n_embd=64)  # --quick
 DEFAULTS = {
     "cuda": ("gpt2", 16, 1024, 5, 20),  # build-nanogpt's 16x1024, so the anchors compare
     "cpu": ("small", 4, 256, 2, 8),
-    "quick": ("tiny", 4, 64, 1, 3),
+    "quick": ("tiny", 4, 32, 1, 2),
 }
 DEFAULT_TOTAL_BATCH = 524288  # 2**19 tokens, GPT-3 small's batch
 
@@ -133,7 +133,7 @@ BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, at
                 sdpa_backends=(), vocab=50257, fused=False)
 
 
-def ladder_rungs(plan, device_type, capability=None, force_compile=False):
+def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None):
     """The rungs in the issue's order: (name, settings it changes, skip reason or None, note).
     Which rungs apply comes from the precision plan; nothing here re-derives capability rules."""
     where = where_label(device_type, capability)
@@ -157,10 +157,20 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False):
     rungs.append(("+SDPA " + ("/".join(backends) if backends else "(torch's choice)"),
                   {"attn": "sdpa", "sdpa_backends": backends}, None, note))
     rungs.append(("+vocab 50304", {"vocab": 50304}, None, "vs 50257"))
-    rungs.append(("+fused AdamW", {"fused": True},
-                  None if device_type == "cuda" else "CUDA-only rung: the trainer fuses AdamW on CUDA only "
-                  "(configure_optimizers(fused=None))", "vs foreach"))
+    if fused_ok is None:
+        fused_ok = device_type == "cuda" or fused_available(device_type)
+    rungs.append(("+fused AdamW", {"fused": True}, None if fused_ok else
+                  f"this torch has no fused AdamW kernel for {device_type}", "vs foreach"))
     return rungs
+
+
+def fused_available(device_type):
+    """Whether torch.optim.AdamW(fused=True) takes tensors on this device type (CUDA, and CPU since torch 2.4)."""
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device_type, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def build(settings, size, seq_len, device, device_type):
