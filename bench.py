@@ -69,7 +69,8 @@ def free_memory(device_type):
 
 
 def is_oom(e):
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+    """CUDA out of memory, including cuBLAS failing to allocate its workspace."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e) or "ALLOC_FAILED" in str(e)
 
 
 def fmt_bytes(n):
@@ -231,7 +232,6 @@ def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=
                     if not is_oom(e):
                         raise
                     row["skipped"] = f"out of memory at {micro_batch}x{seq_len} (try a smaller --micro_batch_size)"
-                    free_memory(device_type)
                 else:
                     settings = trial
                     tok_s = micro_batch * seq_len / (ms / 1000)
@@ -349,13 +349,14 @@ def saved_activation_bytes(model, x, y, device_type, dtype):
     return sum(saved.values()), logits_bytes
 
 
-def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32):
+def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda"):
     """Arithmetic estimate of what autograd keeps for backward in one forward of our GPT, in bytes,
     and the logits the forward returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
     plus the two residual-stream inputs of the layer norms in fp32 (2 BTC) and their mean/rstd;
     SDPA adds its logsumexp (B, nh, T); the masked softmax instead keeps the (B, nh, T, T) attention
-    (fp32, plus its autocast copy) and the (T, T) mask. The head keeps ln_f's input and output and
+    and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
+    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps ln_f's input and output and
     cross-entropy's fp32 log-softmax (B, T, V); autocast also keeps a copy of every matmul weight."""
     B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     a = 4 if dtype == torch.float32 else 2
@@ -363,7 +364,7 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32)
     if config.attn_impl == "sdpa":
         per_layer += B * nh * T * 4
     else:
-        per_layer += B * nh * T * T * (4 if a == 4 else 6) + T * T
+        per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
     head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + B * T * 8 + T * 8 + 4
     weights = 0 if a == 4 else 2 * (L * 12 * C * C + V * C)  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC, lm_head VC
     return L * per_layer + head + weights, B * T * V * a
@@ -379,7 +380,7 @@ def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dty
              f"grads {fmt_bytes(tensor_bytes(p.grad for p in params))}",
              f"optimizer state {fmt_bytes(tensor_bytes(optimizer_state_tensors(optimizer)))}"]
     if micro_batch and seq_len:
-        act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype)
+        act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype, device_type)
         parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
@@ -402,7 +403,7 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     return out
 
 
-def memory_report(device, size, micro_batch, seq_len, steps=2):
+def memory_report(device, size, micro_batch, seq_len):
     """The --memory report, as lines of text."""
     from train_gpt2 import precision_plan
     device_type, capability, device_name = device_info(device)
@@ -421,12 +422,12 @@ def memory_report(device, size, micro_batch, seq_len, steps=2):
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
     with sdpa_context(settings["sdpa_backends"]):
         saved, logits = saved_activation_bytes(raw, x, y, device_type, plan.dtype)
-        for _ in range(steps):
+        for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
             train_step(model, optimizer, scaler, x, y, device_type, plan.dtype)
     synchronize(device_type)
     params = list(raw.parameters())
     p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors(optimizer))
-    est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype)
+    est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  (AdamW exp_avg + exp_avg_sq)",
@@ -575,7 +576,11 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
     from torch.distributed import ReduceOp
     device_type = torch.device(device).type
     if device_type != "cuda":
-        return default, f"micro_batch_size=auto needs CUDA; on {device_type} using the default micro_batch {default}"
+        if total_batch_size % (default * seq_len * world_size):
+            raise ValueError(f"total_batch_size {total_batch_size} is not divisible by micro_batch x seq_len x world_size "
+                             f"= {default} x {seq_len} x {world_size}; change one of them")
+        return default, (f"micro_batch_size=auto needs CUDA; on {device_type} using the default micro_batch {default} "
+                         f"(grad_accum {total_batch_size // (default * seq_len * world_size)})")
     free_memory(device_type)
     capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
 
@@ -646,14 +651,19 @@ def parse_args(argv):
     return args
 
 
-def header(args):
+def header(args, steps=True):
     device_type, capability, name = device_info(args.device)
     what = name or device_type
-    if device_type == "cpu":
-        what += f" ({torch.get_num_threads()} threads)"
-    return (f"device: {what}" + (f" sm{capability[0]}{capability[1]}" if capability else "") +
-            f" | torch {torch.__version__} | model {args.model} | micro-batch {args.micro_batch_size} x seq {args.seq_len} "
-            f"| {args.warmup} warm-up + {args.steps} timed steps | command: python bench.py {' '.join(sys.argv[1:])}")
+    if capability:
+        what += f" sm{capability[0]}{capability[1]}"
+    if device_type == "cpu":  # shared machines make CPU timings noisy: say how busy this one was
+        what += f" ({torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    parts = [f"device: {what}", f"torch {torch.__version__}",
+             f"model {args.model}, micro-batch {args.micro_batch_size} x seq {args.seq_len}"]
+    if steps:
+        parts.append(f"{args.warmup} warm-up + {args.steps} timed steps")
+    parts.append(f"command: python bench.py {' '.join(sys.argv[1:])}")
+    return " | ".join(parts)
 
 
 def main(argv=None):
@@ -662,6 +672,7 @@ def main(argv=None):
         require_matplotlib()  # fail before the long run, not after
     device_type, capability, _ = device_info(args.device)
     if args.memory:
+        print(header(args, steps=False))
         print("\n".join(memory_report(args.device, args.model, args.micro_batch_size, args.seq_len)))
         return
     if args.find_batch:
@@ -675,7 +686,7 @@ def main(argv=None):
                                          default=args.micro_batch_size, headroom=args.headroom)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        print(f"{header(args)}\n{reason}")
+        print(f"{header(args, steps=False)}\n{reason}")
         return
     print(header(args))
     rows = run_ladder(args.device, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)

@@ -158,8 +158,10 @@ def tiny_model_and_optimizer(vocab=256):
 
 def test_auto_micro_batch_falls_back_on_cpu():
     model, opt = tiny_model_and_optimizer()
-    b, reason = bench.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", precision_plan("cpu"), default=12)
-    assert b == 12 and "needs CUDA" in reason and "cpu" in reason
+    b, reason = bench.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", precision_plan("cpu"), default=16)
+    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason
+    with pytest.raises(ValueError, match="not divisible"):
+        bench.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", precision_plan("cpu"), default=12)
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
@@ -180,14 +182,15 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
 # memory accounting
 
 
-@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16)])
+@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
+                                        ("naive", torch.bfloat16)])
 def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
     torch.manual_seed(0)
     config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
     model = GPT(config)
     x = torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, x, "cpu", dtype)
-    assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype)
+    assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
