@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 from contextlib import nullcontext
 
@@ -286,11 +287,11 @@ def plot_ladder(rows, out, title):
     vals = [r["tokens_per_s"] or 0 for r in rows]
     bars = ax.bar(range(len(rows)), vals, color=["tab:gray" if r["skipped"] else "tab:blue" for r in rows])
     for bar, r in zip(bars, rows):
-        label = "skipped" if r["skipped"] else f"{r['tokens_per_s'] / 1e3:,.1f}k"
+        label = "skipped" if r["skipped"] else f"{r['tokens_per_s']:,.0f}"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), names, rotation=20, ha="right")
     ax.set_ylabel("tokens / s")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 100), fontsize=9)
     fig.tight_layout()
     tmp = out + ".tmp.png"
     fig.savefig(tmp, dpi=120)
@@ -365,7 +366,7 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
         per_layer += B * nh * T * 4
     else:
         per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
-    head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + B * T * 8 + T * 8 + 4
+    head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + 2 * B * T * 8 + T * 8 + 4  # + idx, targets, pos
     weights = 0 if a == 4 else 2 * (L * 12 * C * C + V * C)  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC, lm_head VC
     return L * per_layer + head + weights, B * T * V * a
 

@@ -188,8 +188,8 @@ def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
     torch.manual_seed(0)
     config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
     model = GPT(config)
-    x = torch.randint(0, 300, (3, 24))
-    saved, logits = bench.saved_activation_bytes(model, x, x, "cpu", dtype)
+    x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
+    saved, logits = bench.saved_activation_bytes(model, x, y, "cpu", dtype)
     assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
 
 
