@@ -689,7 +689,7 @@ def main(argv=None):
             raise SystemExit(f"error: {e}") from None
         print(f"{header(args, steps=False)}\n{reason}")
         return
-    print(header(args))
+    print(header(args) + "\n")
     rows = run_ladder(args.device, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
     print(ladder_table(rows))
     if args.json:
