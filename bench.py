@@ -229,10 +229,13 @@ def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=
                 trial = {**settings, **change}
                 try:
                     ms, fpt, (alloc, reserved) = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
-                except RuntimeError as e:
-                    if not is_oom(e):
+                except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
+                    if is_oom(e):
+                        row["skipped"] = f"out of memory at {micro_batch}x{seq_len} (try a smaller --micro_batch_size)"
+                    elif change.get("compile"):
+                        row["skipped"] = f"torch.compile failed here: {str(e).strip().splitlines()[0][:160]}"
+                    else:
                         raise
-                    row["skipped"] = f"out of memory at {micro_batch}x{seq_len} (try a smaller --micro_batch_size)"
                 else:
                     settings = trial
                     tok_s = micro_batch * seq_len / (ms / 1000)
@@ -357,8 +360,9 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     plus the two residual-stream inputs of the layer norms in fp32 (2 BTC) and their mean/rstd;
     SDPA adds its logsumexp (B, nh, T); the masked softmax instead keeps the (B, nh, T, T) attention
     and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
-    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps ln_f's input and output and
-    cross-entropy's fp32 log-softmax (B, T, V); autocast also keeps a copy of every matmul weight."""
+    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps
+    ln_f's input and output, cross-entropy's fp32 log-softmax (B, T, V), the token ids and targets;
+    autocast also keeps a copy of every matmul weight. Checked against saved_activation_bytes."""
     B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     a = 4 if dtype == torch.float32 else 2
     per_layer = 14 * B * T * C * a + 2 * B * T * C * 4 + 2 * 2 * B * T * 4
@@ -444,6 +448,7 @@ def memory_report(device, size, micro_batch, seq_len):
                   f"  peak reserved     {fmt_bytes(peak_r):>10}  (fragmentation at the peak: {fmt_bytes(peak_r - peak_a)})"]
     else:
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
+    config = raw.config
     del raw, model, optimizer, x, y
     float32_matmul(False)
     free_memory(device_type)
@@ -456,13 +461,9 @@ def memory_report(device, size, micro_batch, seq_len):
     else:
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
     for d in (torch.float32, torch.bfloat16):
-        a, lg = activation_bytes_estimate(raw_config(size, seq_len), micro_batch, seq_len, d)
+        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d)
         lines.append(f"  estimate {'fp32' if d == torch.float32 else 'bf16 autocast'}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     return lines
-
-
-def raw_config(size, seq_len, vocab=50304, attn_impl="sdpa"):
-    return GPTConfig(block_size=seq_len, vocab_size=vocab, attn_impl=attn_impl, **SIZES[size])
 
 
 # -----------------------------------------------------------------------------
@@ -537,6 +538,7 @@ def probe_steps(model, optimizer, micro_batch, seq_len, device, plan, steps):
     Returns the median seconds per step."""
     device_type = torch.device(device).type
     lrs = [group["lr"] for group in optimizer.param_groups]
+    scaler = torch.amp.GradScaler(device_type) if plan.grad_scaler else None  # fp16: skips steps on inf grads
     times = []
     try:
         for group in optimizer.param_groups:
@@ -546,7 +548,7 @@ def probe_steps(model, optimizer, micro_batch, seq_len, device, plan, steps):
             for _ in range(steps):  # the second step is the steady state: optimizer state alive during backward
                 synchronize(device_type)
                 t0 = time.perf_counter()
-                train_step(model, optimizer, None, x, y, device_type, plan.dtype)
+                train_step(model, optimizer, scaler, x, y, device_type, plan.dtype)
                 synchronize(device_type)
                 times.append(time.perf_counter() - t0)
     finally:
@@ -558,12 +560,12 @@ def probe_steps(model, optimizer, micro_batch, seq_len, device, plan, steps):
 
 
 def agree(value, op, device):
-    """The same number on every DDP rank (all_reduce with op); unchanged without torch.distributed."""
+    """The same number on every DDP rank: all_reduce with op ('max' or 'min'); unchanged without DDP."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
     return t.item()
 
 
@@ -574,7 +576,6 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
     cache emptied after every probe) and return search_micro_batch's (micro_batch, reason). Every
     DDP rank probes the same sizes (peak use is the maximum over ranks, speed the minimum) and the
     result is the minimum over ranks. On CPU/MPS returns (default, reason) without probing."""
-    from torch.distributed import ReduceOp
     device_type = torch.device(device).type
     if device_type != "cuda":
         if total_batch_size % (default * seq_len * world_size):
@@ -596,16 +597,16 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
                 raise
             used = float("inf")
         free_memory(device_type)  # outside the except: the traceback no longer pins the step's tensors
-        used = agree(used, ReduceOp.MAX, device)
+        used = agree(used, "max", device)
         return None if used == float("inf") else used
 
     def measure(b):
         s = probe_steps(model, optimizer, b, seq_len, device, plan, steps=4)
         free_memory(device_type)
-        return agree(b * seq_len / s, ReduceOp.MIN, device)
+        return agree(b * seq_len / s, "min", device)
 
     b, reason = search_micro_batch(usage, measure, seq_len, total_batch_size, world_size, max_micro_batch, headroom)
-    agreed = int(agree(b, ReduceOp.MIN, device))
+    agreed = int(agree(b, "min", device))
     if agreed != b:
         b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
     return b, reason

@@ -208,3 +208,13 @@ def test_memory_summary_counts_the_tensors_on_cpu():
 
 def test_fmt_bytes():
     assert [bench.fmt_bytes(v) for v in (None, 512, 2048, 3 * 2**20, 5 * 2**30)] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+
+
+def test_agree_all_reduces_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+    assert bench.agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert bench.agree(3.5, "max", "cpu") == 3.5 and bench.agree(float("inf"), "min", "cpu") == float("inf")
+    finally:
+        dist.destroy_process_group()
