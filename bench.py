@@ -151,7 +151,8 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
     if not (plan.compile or force_compile):
         compile_reason = f"precision plan for {where} has compile off" + \
             (" (Triton needs sm70+)" if device_type == "cuda" else " (--compile forces it)")
-    rungs.append(("+torch.compile", {"compile": True}, compile_reason, "forced by --compile" if force_compile and not plan.compile else ""))
+    forced = "forced by --compile" if force_compile and not plan.compile else ""
+    rungs.append(("+torch.compile", {"compile": True}, compile_reason, forced))
     backends = plan.sdpa_backends
     note = "vs the masked softmax"
     if device_type == "cuda" and "flash" not in backends:
@@ -247,8 +248,8 @@ def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=
                     prev = row
             rows.append(row)
             if verbose:
-                print(f"  {name}: " + (f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"),
-                      file=sys.stderr)
+                done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
+                print(f"  {name}: {done}", file=sys.stderr)
     finally:
         float32_matmul(False)
         if force_compile or plan.compile:
@@ -437,14 +438,16 @@ def memory_report(device, size, micro_batch, seq_len):
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  (AdamW exp_avg + exp_avg_sq)",
               f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); estimate {fmt_bytes(est)}",
-              f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; estimate {fmt_bytes(est_logits)}"]
+              f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; "
+              f"estimate {fmt_bytes(est_logits)}"]
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         peak_a, peak_r = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         lines += [f"  allocated now     {fmt_bytes(alloc):>10}  (params + grads + optimizer state + batch)",
                   f"  peak allocated    {fmt_bytes(peak_a):>10}  (peak - steady = activations + backward temporaries: "
                   f"{fmt_bytes(peak_a - alloc)})",
-                  f"  reserved now      {fmt_bytes(reserved):>10}  (allocator cache on top of allocated: {fmt_bytes(reserved - alloc)})",
+                  f"  reserved now      {fmt_bytes(reserved):>10}  (allocator cache on top of allocated: "
+                  f"{fmt_bytes(reserved - alloc)})",
                   f"  peak reserved     {fmt_bytes(peak_r):>10}  (fragmentation at the peak: {fmt_bytes(peak_r - peak_a)})"]
     else:
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
@@ -462,7 +465,8 @@ def memory_report(device, size, micro_batch, seq_len):
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
     for d in (torch.float32, torch.bfloat16):
         a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d)
-        lines.append(f"  estimate {'fp32' if d == torch.float32 else 'bf16 autocast'}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
+        what = "fp32" if d == torch.float32 else "bf16 autocast"
+        lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     return lines
 
 

@@ -206,8 +206,18 @@ def test_memory_summary_counts_the_tensors_on_cpu():
     assert "\n" not in line
 
 
+def test_memory_report_on_cpu_separates_every_part():
+    lines = bench.memory_report("cpu", "tiny", 2, 16)
+    text = "\n".join(lines)
+    for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "allocator", "TF32 off vs on"):
+        assert part in text
+    act = next(line for line in lines if line.strip().startswith("activations")).split()
+    assert act[1:3] == act[-2:]  # measured == estimate, e.g. "1.2 MiB ... estimate 1.2 MiB"
+
+
 def test_fmt_bytes():
-    assert [bench.fmt_bytes(v) for v in (None, 512, 2048, 3 * 2**20, 5 * 2**30)] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+    values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
+    assert [bench.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
 
 
 def test_agree_all_reduces_under_torch_distributed(tmp_path):
