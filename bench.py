@@ -644,14 +644,14 @@ def parse_args(argv):
         p.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
     mode = "quick" if args.quick else ("cuda" if device_type == "cuda" else "cpu")
     size, b, t, warmup, steps = DEFAULTS[mode]
-    args.model = args.model or size
-    args.micro_batch_size = args.micro_batch_size or b
-    args.seq_len = args.seq_len or t
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.steps = args.steps or steps
+    for name, default in (("model", size), ("micro_batch_size", b), ("seq_len", t), ("warmup", warmup), ("steps", steps)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
     if not 0 <= args.headroom < 1:
         p.error("--headroom must be in [0, 1)")
     return args

@@ -68,6 +68,17 @@ def test_compile_can_be_forced_on_cpu():
     assert bench.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
 
 
+def test_bad_options_exit_with_one_line(capsys):
+    for argv in (["--quick", "--steps", "0"], ["--quick", "--headroom", "1.5"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and "error: --" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda"])
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(SystemExit, match="pip install matplotlib"):
