@@ -1,0 +1,241 @@
+"""bench.py: the --quick ladder end to end, the rung rules, the micro-batch search (with injected memory
+and speed functions, checked against brute force), the CPU side of the probing, and the memory accounting."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from model import GPT, GPTConfig
+from train_gpt2 import precision_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW"]
+
+# -----------------------------------------------------------------------------
+# the ladder
+
+
+def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
+    out = tmp_path / "ladder.json"
+    r = subprocess.run([sys.executable, "bench.py", "--quick", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == len(RUNG_PREFIXES)
+    for row, prefix in zip(rows, RUNG_PREFIXES):
+        assert row["name"].startswith(prefix)
+        assert row["name"] in r.stdout  # the printed table has every rung, skipped or not
+        assert {"name", "ms_per_step", "tokens_per_s", "mfu", "peak_allocated", "peak_reserved", "skipped"} <= set(row)
+    skipped = {row["name"]: row["skipped"] for row in rows if row["skipped"]}
+    assert set(skipped) == {"+TF32", "+autocast", "+torch.compile"}  # CPU plan: fp32, no TF32, no compile
+    assert "precision plan for cpu is fp32" in skipped["+autocast"]
+    measured = [row for row in rows if not row["skipped"]]
+    first = measured[0]
+    for prev, row in zip([None] + measured, measured):
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(4 * 32 / (row["ms_per_step"] / 1000))  # --quick is 4 x 32
+        assert row["speedup_first"] == pytest.approx(row["tokens_per_s"] / first["tokens_per_s"])
+        if prev:
+            assert row["speedup_prev"] == pytest.approx(row["tokens_per_s"] / prev["tokens_per_s"])
+        assert row["mfu"] is None and row["peak_allocated"] is None  # no peak FLOPs or allocator on a CPU
+
+
+@pytest.mark.parametrize("cap,skipped,autocast,sdpa", [
+    ((9, 0), set(), "+autocast bf16", "+SDPA flash/efficient"),
+    ((7, 5), {"+TF32"}, "+autocast fp16+GradScaler", "+SDPA efficient"),
+    ((6, 1), {"+TF32", "+autocast", "+torch.compile"}, "+autocast", "+SDPA (torch's choice)"),
+])
+def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
+    rungs = bench.ladder_rungs(precision_plan("cuda", cap), "cuda", cap)
+    names = [r[0] for r in rungs]
+    assert names[2] == autocast and names[4] == sdpa
+    assert {name for name, _, reason, _ in rungs if reason} == skipped
+    for name, _, reason, _ in rungs:
+        if reason:
+            assert f"sm{cap[0]}{cap[1]}" in reason
+    if cap[0] == 7:
+        assert "no flash kernel" in rungs[4][3]
+        assert rungs[2][1] == {"dtype": torch.float16, "scaler": True}
+
+
+def test_compile_can_be_forced_on_cpu():
+    plan = precision_plan("cpu", None)
+    assert bench.ladder_rungs(plan, "cpu")[3][2] is not None
+    assert bench.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
+
+
+def test_bad_options_exit_with_one_line(capsys):
+    for argv in (["--quick", "--steps", "0"], ["--quick", "--headroom", "1.5"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and "error: --" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda"])
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        bench.require_matplotlib()
+
+
+# -----------------------------------------------------------------------------
+# micro-batch search
+
+
+def brute_force(limit, seq_len, total, world, headroom, speed, n_timed=3):
+    """The rule spelled out: divisors of total/(seq_len*world) that fit, multiples of 8 if any fit,
+    the fastest of the n_timed largest."""
+    rows = total // (seq_len * world)
+    fit = [b for b in range(1, rows + 1) if rows % b == 0 and b <= limit]
+    pool = [b for b in fit if b % 8 == 0] or fit
+    return max(reversed(pool[-n_timed:]), key=speed)  # ties go to the larger micro-batch
+
+
+def linear_usage(limit, headroom=0.1):
+    """Memory use that crosses the 1 - headroom line just above micro-batch `limit`; None (OOM) past 1."""
+    def usage(b):
+        u = (1 - headroom) * (b + 0.5) / (limit + 0.5) - 1e-9 if b <= limit else 0.95 + 0.01 * (b - limit)
+        return None if u > 1 else u
+    return usage
+
+
+@pytest.mark.parametrize("limit,seq_len,total,world", [
+    (70, 1024, 524288, 1), (50, 1024, 480 * 1024, 1), (100, 1024, 524288, 4), (5, 1024, 524288, 1),
+    (1000, 1024, 524288, 1), (23, 256, 240 * 256, 2), (9, 1, 96, 1),
+])
+@pytest.mark.parametrize("speed", [lambda b: 1000.0 * b, lambda b: -abs(b - 40.0)])  # monotone; best at 40
+def test_search_matches_brute_force(limit, seq_len, total, world, speed):
+    calls = []
+    usage = linear_usage(limit)
+    b, reason = bench.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
+    assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
+    accum = total // (b * seq_len * world)
+    assert b * seq_len * world * accum == total
+    assert f"micro_batch {b}" in reason and f"grad_accum {accum}" in reason
+    assert len(calls) <= 2 * max(1, total // (seq_len * world)).bit_length()  # bisection, not a scan
+
+
+def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
+    b, reason = bench.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
+    assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
+    assert "grad_accum 10" in reason and "80 runs out of memory" in reason
+
+
+def test_search_falls_back_below_8_and_says_so():
+    b, reason = bench.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
+    assert b == 4 and "no multiple of 8 fits" in reason
+
+
+def test_search_keeps_headroom():
+    usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
+    speed = lambda b: float(b)  # noqa: E731
+    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
+    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
+    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
+
+
+def test_search_treats_oom_as_not_fitting():
+    b, reason = bench.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
+    assert b == 16 and "32 runs out of memory" in reason
+
+
+def test_search_respects_max_micro_batch():
+    assert bench.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
+
+
+def test_search_refuses_what_cannot_divide_or_fit():
+    with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
+        bench.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
+    with pytest.raises(ValueError, match="no micro-batch fits"):
+        bench.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
+
+
+# -----------------------------------------------------------------------------
+# probing on the real model (the CPU half of what runs on CUDA)
+
+
+def tiny_model_and_optimizer(vocab=256):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
+    return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+
+def test_auto_micro_batch_falls_back_on_cpu():
+    model, opt = tiny_model_and_optimizer()
+    b, reason = bench.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", precision_plan("cpu"), default=16)
+    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason
+    with pytest.raises(ValueError, match="not divisible"):
+        bench.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", precision_plan("cpu"), default=12)
+
+
+def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
+    model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    seconds = bench.probe_steps(model, opt, 2, 16, "cpu", precision_plan("cpu"), steps=2)
+    assert seconds > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
+    assert [g["lr"] for g in opt.param_groups] == lrs
+    bench.train_step(model, opt, None, *bench.random_batch(2, 16, "cpu"), "cpu", torch.float32)
+    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
+
+
+# -----------------------------------------------------------------------------
+# memory accounting
+
+
+@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
+                                        ("naive", torch.bfloat16)])
+def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
+    model = GPT(config)
+    x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
+    saved, logits = bench.saved_activation_bytes(model, x, y, "cpu", dtype)
+    assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+
+
+def test_memory_summary_counts_the_tensors_on_cpu():
+    model, opt = tiny_model_and_optimizer(vocab=50257)
+    bench.train_step(model, opt, None, *bench.random_batch(2, 16, "cpu"), "cpu", torch.float32)
+    line = bench.memory_summary(model, opt, "cpu", micro_batch=2, seq_len=16)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
+    assert f"params {bench.fmt_bytes(4 * n)}" in line and f"grads {bench.fmt_bytes(4 * n)}" in line
+    state = 2 * 4 * n + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
+    assert f"optimizer state {bench.fmt_bytes(state)}" in line
+    assert "activations ~" in line and "n/a on cpu" in line
+    assert "\n" not in line
+
+
+def test_memory_report_on_cpu_separates_every_part():
+    lines = bench.memory_report("cpu", "tiny", 2, 16)
+    text = "\n".join(lines)
+    for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "allocator", "TF32 off vs on"):
+        assert part in text
+    act = next(line for line in lines if line.strip().startswith("activations")).split()
+    assert act[1:3] == act[-2:]  # measured == estimate, e.g. "1.2 MiB ... estimate 1.2 MiB"
+
+
+def test_fmt_bytes():
+    values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
+    assert [bench.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+
+
+def test_agree_all_reduces_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+    assert bench.agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert bench.agree(3.5, "max", "cpu") == 3.5 and bench.agree(float("inf"), "min", "cpu") == float("inf")
+    finally:
+        dist.destroy_process_group()

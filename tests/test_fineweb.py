@@ -1,0 +1,345 @@
+"""fineweb.py on local files: the token stream, shard layout, manifest, resume, --verify, bad input.
+
+    python -m pytest -q tests/test_fineweb.py
+"""
+import gzip
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+import fineweb
+from tokenizer import EOT, get_encoding
+
+DOCS = [
+    "Hello, I'm a language model, and this is the first document.\n",
+    "  leading spaces, trailing spaces and newlines   \n\n\n",
+    "Unicode: café, naïve, 日本語, emoji 🙂 and the dash — done.",
+    "A document that spells out <|endoftext|> must keep it as plain text.",
+    "\n",  # whitespace only
+    "Windows\r\nline\r\nendings\r\n" + "and a longer paragraph that spans many tokens. " * 12,
+    "x" * 300 + " " + "1234567890" * 7,
+    "The last one ends without a newline",
+]
+
+
+def reference(docs):
+    """The stream as the issue defines it, built with tiktoken's own per-document path."""
+    enc = get_encoding()
+    out = []
+    for doc in docs:
+        out += [EOT] + enc.encode_ordinary(doc)
+    return np.array(out, dtype=np.uint16)
+
+
+def write_txt(d, docs):
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(str(d / f"doc{i:02d}.txt"))
+        with open(paths[-1], "w", encoding="utf-8", newline="") as f:
+            f.write(doc)
+    return paths
+
+
+def shards_in(out):
+    return sorted(f for f in os.listdir(out) if f.endswith(".npy"))
+
+
+def snapshot(out):
+    """Every file in out_dir with its bytes."""
+    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
+
+
+def concat(out):
+    names = shards_in(out)
+    order = [n for n in names if "_val_" in n] + [n for n in names if "_train_" in n]  # val first
+    return np.concatenate([np.load(os.path.join(out, n)) for n in order])
+
+
+def run_error(capsys, argv):
+    """main(argv) must fail with exactly one 'error: ...' line on stderr; returns that line."""
+    assert fineweb.main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "tokenizing" not in line]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    return write_txt(d, DOCS)
+
+
+@pytest.fixture(scope="module")
+def built(corpus, tmp_path_factory):
+    """The corpus, tokenized once in 37-token shards with --num_proc 1."""
+    out = str(tmp_path_factory.mktemp("built") / "out")
+    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]) == 0
+    return out
+
+# -----------------------------------------------------------------------------
+
+
+def test_stream_and_shard_layout(corpus, built):
+    ref = reference(DOCS)
+    assert np.array_equal(concat(built), ref)
+    names = shards_in(built)
+    n = -(-len(ref) // 37)
+    assert names == sorted([f"edufineweb_val_{0:06d}.npy"] + [f"edufineweb_train_{i:06d}.npy" for i in range(1, n)])
+    sizes = [np.load(os.path.join(built, f"edufineweb_{'val' if i == 0 else 'train'}_{i:06d}.npy")).size
+             for i in range(n)]
+    assert sizes == [37] * (n - 1) + [len(ref) - 37 * (n - 1)]  # exact, the remainder in the last shard
+    shard = np.load(os.path.join(built, names[0]), mmap_mode="r")  # memory-mappable, 1-D uint16
+    assert shard.dtype == np.uint16 and shard.ndim == 1
+
+    manifest = json.load(open(os.path.join(built, "manifest.json")))
+    assert manifest["complete"] and manifest["total_tokens"] == len(ref) and manifest["documents"] == len(DOCS)
+    assert manifest["tokenizer"]["name"] == "gpt2" and manifest["tokenizer"]["vocab_bpe_sha256"]
+    assert [f["path"] for f in manifest["settings"]["source"]["files"]] == [os.path.abspath(p) for p in corpus]
+    for s in manifest["shards"]:
+        data = open(os.path.join(built, s["name"]), "rb").read()
+        assert hashlib.sha256(data).hexdigest() == s["sha256"]
+        assert s["tokens"] == np.load(os.path.join(built, s["name"])).size
+        assert s["split"] == ("val" if s["name"].startswith("edufineweb_val") else "train")
+
+
+def test_encode_docs_matches_encode_ordinary():
+    docs = ["plain", "", "has <|endoftext|> inside", "lone surrogate \ud800 here"]
+    for batch in ([docs[0], docs[1]], docs, [docs[3]]):  # fast path, marker fallback, surrogate fallback
+        assert np.array_equal(fineweb.encode_docs(batch), reference(batch))
+
+
+def test_num_proc_2_is_byte_identical(corpus, built, tmp_path, monkeypatch):
+    monkeypatch.setattr(fineweb, "BATCH_CHARS", 100)  # many small batches through the pool
+    started = []
+    real_start_pool = fineweb.start_pool
+    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
+    out = str(tmp_path / "out")
+    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "2"]) == 0
+    assert started == [2]
+    assert snapshot(out) == snapshot(built)
+
+
+def test_small_local_source_needs_no_pool(corpus, built, tmp_path, monkeypatch):
+    started = []
+    real_start_pool = fineweb.start_pool
+    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
+    out = str(tmp_path / "out")
+    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "8"]) == 0
+    assert started == [1] and snapshot(out) == snapshot(built)
+
+
+def test_jsonl_parquet_and_compressed(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [f"row {i}: " + "some words here " * (i % 5) for i in range(30)]
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(rows[:12]))
+    pq.write_table(pa.table({"body": rows[12:25], "n": list(range(13))}), tmp_path / "b.parquet")
+    with open(tmp_path / "c.json", "w") as f:
+        f.writelines(json.dumps({"body": t}) + "\n" for t in rows[25:])
+    txt = write_txt(tmp_path, ["and a text file"])
+    with gzip.open(tmp_path / "d.txt.gz", "wt", encoding="utf-8", newline="") as f:
+        f.write("a gzipped\r\ntext file, one document\n\n")
+    out = str(tmp_path / "out")
+    srcs = [str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.parquet"), *txt, str(tmp_path / "c.json"),
+            str(tmp_path / "d.txt.gz")]
+    assert fineweb.main(["--source", *srcs, "--text_column", "body", "--out_dir", out, "--shard_size", "50",
+                         "--num_proc", "1"]) == 0
+    expected = rows[:25] + ["and a text file"] + rows[25:] + ["a gzipped\r\ntext file, one document\n\n"]
+    assert np.array_equal(concat(out), reference(expected))
+
+
+def test_max_tokens_stops_early(corpus, built, tmp_path):
+    out = str(tmp_path / "out")
+    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--max_tokens", "100",
+                         "--num_proc", "1"]) == 0
+    assert [np.load(os.path.join(out, n)).size for n in sorted(shards_in(out), key=lambda n: n[-10:])] == [37, 37, 26]
+    assert np.array_equal(concat(out), reference(DOCS)[:100])
+
+
+def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    argv = ["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]
+    real_write_shard, real_write_json = fineweb.write_shard, fineweb.write_json
+    calls = []
+
+    def write_shard_then_stop(path, tokens):
+        calls.append(os.path.basename(path))
+        if len(calls) == 4:  # the 4th shard is half written when the power goes
+            open(path + ".tmp", "wb").write(b"partial")
+            raise KeyboardInterrupt
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    assert fineweb.main(argv) == 130
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert len(shards_in(out)) == 3 and not manifest["complete"]
+    assert manifest["shards"][-1]["next"][1] > 0  # resuming mid-document: the harder case
+    assert "run the same command again" in capsys.readouterr().err
+
+    # second interruption: a shard renamed into place, then killed before the manifest lists it
+    calls.clear()
+    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+
+    def write_json_then_stop(path, obj):
+        if len(obj["shards"]) == 5:
+            raise KeyboardInterrupt
+        real_write_json(path, obj)
+
+    monkeypatch.setattr(fineweb, "write_json", write_json_then_stop)
+    assert fineweb.main(argv) == 130
+    assert calls[0] == "edufineweb_train_000003.npy"  # the 3 complete shards were kept, not redone
+
+    calls.clear()
+    monkeypatch.setattr(fineweb, "write_json", real_write_json)
+    assert fineweb.main(argv) == 0
+    assert calls[0] == "edufineweb_train_000004.npy"  # shard 4 was on disk but not in the manifest: redone
+    for name in os.listdir(out):
+        assert not name.endswith(".tmp")
+    assert snapshot(out) == snapshot(built)
+
+    # corrupt a kept shard: the next run redoes it and everything after it, byte-identical again
+    path = os.path.join(out, "edufineweb_train_000002.npy")
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(bytes(data))
+    calls.clear()
+    assert fineweb.main(argv) == 0
+    assert calls[0] == "edufineweb_train_000002.npy"
+    assert snapshot(out) == snapshot(built)
+
+    # a complete run is left alone
+    calls.clear()
+    assert fineweb.main(argv) == 0 and calls == []
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_verify_catches_a_flipped_byte(built, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    for name, data in snapshot(built).items():
+        open(os.path.join(out, name), "wb").write(data)
+    assert fineweb.main(["--verify", "--out_dir", out]) == 0
+    assert "ok:" in capsys.readouterr().out
+    path = os.path.join(out, "edufineweb_train_000003.npy")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) - 20] ^= 0x10  # one bit of one token
+    open(path, "wb").write(bytes(data))
+    line = run_error(capsys, ["--verify", "--out_dir", out])
+    assert "edufineweb_train_000003.npy" in line and "sha256" in line
+
+# -----------------------------------------------------------------------------
+# bad input: one line, exit 1, good shards untouched
+
+
+def test_bad_sources(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    missing = str(tmp_path / "nope.txt")
+    assert "no such file" in run_error(capsys, ["--source", missing, "--out_dir", out])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "is empty" in run_error(capsys, ["--source", str(empty), "--out_dir", out])
+    (tmp_path / "rows.csv").write_text("text\nhi\n")
+    assert "unsupported file type" in run_error(capsys, ["--source", str(tmp_path / "rows.csv"), "--out_dir", out])
+    good = write_txt(tmp_path, ["fine"])
+    assert "is a file" in run_error(capsys, ["--source", *good, "--out_dir", str(empty)])
+    assert not os.path.exists(out)
+
+
+def test_bad_rows(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in [{"text": "a"}, {"text": "b"}, {"title": "c"}, {"text": "d"}]))
+    line = run_error(capsys, ["--source", str(bad), "--out_dir", out, "--num_proc", "1"])
+    assert "row 2" in line and "'text'" in line
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"body": "x"}) + "\n")
+    assert "--text_column" in run_error(capsys, ["--source", str(other), "--out_dir", out, "--num_proc", "1"])
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n")
+    assert "no rows" in run_error(capsys, ["--source", str(blank), "--out_dir", out, "--num_proc", "1"])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    line = run_error(capsys, ["--source", str(tmp_path / "none.parquet"), "--out_dir", out, "--num_proc", "1"])
+    assert "no rows" in line
+    assert not os.path.exists(out)
+
+
+def test_token_that_does_not_fit_uint16(corpus, tmp_path, monkeypatch, capsys):
+    class BigVocab:  # a tokenizer with ids past 65535
+        def encode_to_numpy(self, text, allowed_special):
+            return np.array([EOT, 70000], dtype=np.uint32)
+
+    monkeypatch.setattr(fineweb, "get_encoding", BigVocab)
+    out = str(tmp_path / "out")
+    assert "70000" in run_error(capsys, ["--source", *corpus[:2], "--out_dir", out, "--num_proc", "1"])
+    assert not os.path.exists(out)
+
+
+def test_out_dir_from_another_source_is_left_alone(corpus, built, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    for name, data in snapshot(built).items():
+        open(os.path.join(out, name), "wb").write(data)
+    before = snapshot(out)
+    line = run_error(capsys, ["--source", *corpus[:3], "--out_dir", out, "--shard_size", "37", "--num_proc", "1"])
+    assert "different source" in line and "another --out_dir" in line
+    line = run_error(capsys, ["--source", *corpus, "--out_dir", out, "--shard_size", "40", "--num_proc", "1"])
+    assert "shard_size=37" in line
+    assert snapshot(out) == before
+
+    other = str(tmp_path / "other")  # same settings, another tokenizer; then a manifest that is not one
+    os.makedirs(other)
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    manifest["tokenizer"]["vocab_bpe_sha256"] = "0" * 64
+    json.dump(manifest, open(os.path.join(other, "manifest.json"), "w"))
+    argv = ["--source", *corpus, "--out_dir", other, "--shard_size", "37", "--num_proc", "1"]
+    assert "tokenizer=" in run_error(capsys, argv)
+    open(os.path.join(other, "manifest.json"), "w").write("{not json")
+    assert "not valid JSON" in run_error(capsys, argv)
+
+    foreign = str(tmp_path / "foreign")  # build-nanogpt's shards, no manifest
+    os.makedirs(foreign)
+    np.save(os.path.join(foreign, "edufineweb_train_000001.npy"), np.arange(10, dtype=np.uint16))
+    before = snapshot(foreign)
+    assert "no manifest.json" in run_error(capsys, ["--source", *corpus, "--out_dir", foreign, "--num_proc", "1"])
+    assert snapshot(foreign) == before
+
+
+def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
+    """The hub code path (load_dataset(--dataset, --name, streaming=True)), on a local parquet folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [f"document {i}: " + "text " * (i % 7) for i in range(60)]
+    os.makedirs(tmp_path / "hub" / "data")
+    for f in range(3):
+        pq.write_table(pa.table({"id": list(range(20)), "text": rows[20 * f:20 * f + 20]}),
+                       tmp_path / "hub" / "data" / f"train-{f:05d}-of-00003.parquet")
+    argv = ["--dataset", str(tmp_path / "hub"), "--name", "default", "--shard_size", "64", "--num_proc", "1"]
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "a")]) == 0
+    assert np.array_equal(concat(tmp_path / "a"), reference(rows))
+
+    real_write_shard = fineweb.write_shard
+    calls = []
+
+    def write_shard_then_stop(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 130
+    monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
+    assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 0
+    assert snapshot(tmp_path / "b") == snapshot(tmp_path / "a")
+
+
+def test_dataset_that_cannot_be_opened(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"), "--num_proc", "1"])
+    assert "could not open" in line and "empty" in line
