@@ -536,7 +536,8 @@ def resolve_device(name, local_rank):
 
 
 def resolve_micro_batch_size(cfg, world_size):
-    """THE place the micro-batch is decided (a later "auto" lands here). Returns gradient accumulation steps."""
+    """THE place the micro-batch is decided; main() calls it once the model and optimizer exist, so that
+    a memory probe for a later micro_batch_size="auto" can land here. Returns the accumulation steps."""
     tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     if cfg.total_batch_size % tokens:
         raise UserError(f"total_batch_size={cfg.total_batch_size} is not a multiple of micro_batch_size x seq_len x "
@@ -577,22 +578,27 @@ def train(argv, ddp, rank, master):
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
 
-    # precision, preset, batch
+    # precision and the sm7x preset, announced in one line
     capability = torch.cuda.get_device_capability(device) if device_type == "cuda" else None
     plan = resolve_plan(cfg, device_type, capability)
     preset = apply_small_gpu_preset(cfg, given) if plan.small_gpu_preset else {}
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
-    grad_accum = resolve_micro_batch_size(cfg, world_size)
-    B, T = cfg.micro_batch_size, cfg.seq_len
+        name = torch.cuda.get_device_name(device)
+        where = f"{device} ({name}, sm{capability[0]}{capability[1]})"
+    else:
+        name, where = None, device
+    say(f"device {where} x {world_size} | {plan.describe()}")
+    if preset:
+        say(f"sm7x preset (set these keys to override): {', '.join(f'{k}={v}' for k, v in preset.items())}")
 
-    # data (rank 0 builds the quickstart corpus if asked; the others wait for it)
+    # data: there before anything slow (rank 0 builds the quickstart corpus if asked; the others wait)
     if cfg.data_source == "pydoc" and master and not has_shards(cfg.data_dir):
         prepare_pydoc_corpus(cfg.data_dir)
     if ddp:
         dist.barrier()
-    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
-    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
+    for split in ("train", "val"):
+        shard_paths(cfg.data_dir, split)
 
     # model, optimizer, loss scaler: fresh or from the newest checkpoint
     torch.manual_seed(cfg.seed)
@@ -611,11 +617,18 @@ def train(argv, ddp, rank, master):
     if cfg.sample_interval > 0 and cfg.vocab_size < GPT2_VOCAB_SIZE:
         say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling is off")
         cfg.sample_interval = 0
-    if T > cfg.block_size:
-        raise UserError(f"seq_len={T} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
+    if cfg.seq_len > cfg.block_size:
+        raise UserError(f"seq_len={cfg.seq_len} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
     raw_model.to(device)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device_type, verbose=master)
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
+
+    # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
+    grad_accum = resolve_micro_batch_size(cfg, world_size)
+    B, T = cfg.micro_batch_size, cfg.seq_len
+    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
+    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
+
     start_step = 0
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -632,18 +645,10 @@ def train(argv, ddp, rank, master):
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 
-    # the banner, the resolved config, the log
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        where = f"{device} ({name}, sm{capability[0]}{capability[1]})"
-    else:
-        name, where = None, device
+    # the resolved config, the log
     cfg.device, cfg.precision = device_type, precision_name(plan.dtype)
     cfg.compile = "true" if plan.compile else "false"
     say(json.dumps(dataclasses.asdict(cfg), indent=2))
-    say(f"device {where} x {world_size} | {plan.describe()}")
-    if preset:
-        say(f"sm7x preset (set these keys to override): {', '.join(f'{k}={v}' for k, v in preset.items())}")
     tokens_per_step = B * T * world_size * grad_accum
     say(f"{raw_model.num_params(non_embedding=False):,} parameters | {tokens_per_step:,} tokens per step = "
         f"{B} x {T} x {world_size} rank(s) x {grad_accum} accumulation step(s) | {cfg.max_steps} steps")
@@ -697,6 +702,8 @@ def train(argv, ddp, rank, master):
         if master:
             append_log(log_path, {"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
                                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s})
+    if ddp:
+        dist.barrier()  # rank 0 may still be writing the last checkpoint: leave together
     return 0
 
 
