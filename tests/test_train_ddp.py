@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import torch
-
 from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
