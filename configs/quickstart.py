@@ -1,8 +1,9 @@
-# Quickstart: a tiny GPT-2 trained for ~2 minutes on 2 CPU cores, no GPU and no network needed.
+# Quickstart: a tiny GPT-2 trained on 2 CPU cores in about a minute (longer on a busy machine), no GPU
+# and no network needed.
 #   python train_gpt2.py configs/quickstart.py
 # On first run it builds its own corpus in data/quickstart/ from the help() pages that ship with Python
 # (pydoc_data.topics, ~140K GPT-2 tokens: 20K for val, the rest train), through fineweb.py.
-# Expect the val loss to fall from ~10.8 to ~6, a checkpoint in out/quickstart/ and a few samples
+# Expect the val loss to fall from 10.76 to ~5.8, a checkpoint in out/quickstart/ and a few samples
 # that look like Python documentation only from far away.
 data_dir = "data/quickstart"
 data_source = "pydoc"
