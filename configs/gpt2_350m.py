@@ -1,0 +1,20 @@
+# GPT-2 350M (gpt2-medium's shape) on FineWeb-Edu 10B tokens. Learning rate from the GPT-3 paper's
+# table 2.1 (GPT-3 Medium: 3.0e-4, 0.5M-token batches); warmup over 375M tokens as there.
+#   torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_350m.py
+# micro_batch_size 32 fits an 80 GB GPU; halve it for 40 GB (more accumulation, same total batch).
+data_dir = "edu_fineweb10B"
+out_dir = "out/gpt2_350m"
+n_layer = 24
+n_head = 16
+n_embd = 1024
+vocab_size = 50304
+micro_batch_size = 32
+total_batch_size = 524288
+max_steps = 19073
+warmup_steps = 715
+max_lr = 3e-4
+min_lr = 3e-5
+eval_interval = 250
+hellaswag_interval = 500
+sample_interval = 500
+checkpoint_interval = 2000

@@ -1,0 +1,346 @@
+"""train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
+bit-exact resume, configs, and the one-line errors. Tiny models (1 layer, 32 wide, 64-token vocab)."""
+import copy
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2
+from model import GPT, GPTConfig
+from train_gpt2 import Config, TokenLoader, accumulate_gradients, get_lr, main, optimizer_step, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_shards(data_dir, n_train=3000, n_val=600, vocab=64, seed=0):
+    """A learnable toy stream (a noisy +1 counter) split into a val shard and two train shards."""
+    rng = np.random.default_rng(seed)
+    n = n_train + n_val
+    tokens = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, vocab, n)) % vocab
+    tokens = tokens.astype(np.uint16)
+    os.makedirs(data_dir, exist_ok=True)
+    np.save(os.path.join(data_dir, "toy_val_000000.npy"), tokens[:n_val])
+    np.save(os.path.join(data_dir, "toy_train_000001.npy"), tokens[n_val:n_val + n_train // 2])
+    np.save(os.path.join(data_dir, "toy_train_000002.npy"), tokens[n_val + n_train // 2:])
+    return data_dir
+
+
+def tiny_args(data_dir, out_dir, **over):
+    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
+                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
+                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
+                checkpoint_interval=4, seed=0)
+    args.update(over)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(out_dir):
+    return {e["step"]: e["loss"] for e in read_log(out_dir) if "loss" in e}
+
+
+def load_ckpt(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_shards(str(tmp_path_factory.mktemp("shards")))
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_dir, tmp_path_factory):
+    """8 steps uninterrupted, checkpoints at 4 and 8 (shared by several tests)."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    assert main(tiny_args(data_dir, out)) == 0
+    return out
+
+# -----------------------------------------------------------------------------
+# the loop, its outputs, resume
+
+
+def test_run_outputs(straight_run, capsys):
+    log = read_log(straight_run)
+    steps = [e for e in log if "loss" in e]
+    assert [e["step"] for e in steps] == list(range(8))
+    assert set(steps[0]) == {"step", "loss", "lr", "norm", "dt_ms", "tok_per_s"}
+    assert [e["step"] for e in log if "val_loss" in e] == [0, 4, 8]
+    vals = [e["val_loss"] for e in log if "val_loss" in e]
+    assert vals[-1] < vals[0] - 0.5  # the toy stream is learnable: training works
+    assert steps[0]["lr"] == pytest.approx(1e-2 / 2)
+    cfg = json.load(open(os.path.join(straight_run, "config.json")))
+    assert cfg["n_layer"] == 1 and cfg["precision"] == "fp32" and cfg["device"] == "cpu"
+    ckpt = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt"))  # weights_only=True must work
+    assert {"model", "model_args", "optimizer", "scaler", "step", "config", "loader", "rng"} <= set(ckpt)
+    assert ckpt["step"] == 8 and not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    model = GPT.from_checkpoint(os.path.join(straight_run, "ckpt_000008.pt"))  # model.py's loader reads it
+    assert model.config == GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
+    assert not any(f.endswith(".tmp") for f in os.listdir(straight_run))
+
+
+def test_resume_is_bit_exact(straight_run, data_dir, tmp_path):
+    """8 steps straight == 4 steps (the checkpoint an interrupted run leaves) + resume + 4 steps."""
+    out = str(tmp_path / "resumed")
+    os.makedirs(out)
+    shutil.copy(os.path.join(straight_run, "ckpt_000004.pt"), out)
+    with open(os.path.join(out, "log.jsonl"), "w") as f:
+        f.write(json.dumps({"step": -1, "marker": True}) + "\n")
+    assert main(tiny_args(data_dir, out, resume="true")) == 0
+    log = read_log(out)
+    assert log[0] == {"step": -1, "marker": True}  # appended, never truncated
+    resumed, straight = step_losses(out), step_losses(straight_run)
+    assert sorted(resumed) == [4, 5, 6, 7]
+    assert all(resumed[s] == straight[s] for s in resumed)  # bit-identical losses
+    assert [e["val_loss"] for e in log if "val_loss" in e] == [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    a, b = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit-identical weights
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["loader"] == b["loader"]
+
+
+def test_resume_needs_a_checkpoint(data_dir, tmp_path, capsys):
+    assert main(tiny_args(data_dir, str(tmp_path), resume="true")) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "no ckpt_" in err and "\n" not in err
+
+
+def test_fp16_run_on_cpu(data_dir, straight_run, tmp_path):
+    """precision=fp16 on CPU: autocast + GradScaler through the whole loop, close to the fp32 run."""
+    out = str(tmp_path)
+    assert main(tiny_args(data_dir, out, precision="fp16", max_steps=8, checkpoint_interval=0)) == 0
+    fp16, fp32 = step_losses(out), step_losses(straight_run)
+    assert all(math.isfinite(v) for v in fp16.values())
+    assert abs(fp16[0] - fp32[0]) < 0.02 and abs(fp16[7] - fp32[7]) < 0.1
+    ckpt = load_ckpt(os.path.join(out, "ckpt_000008.pt"))
+    assert ckpt["config"]["precision"] == "fp16" and ckpt["scaler"]["scale"] > 0
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
+    """micro-batch 2 x 2 accumulation steps and micro-batch 4 x 1 step: the same optimizer steps."""
+    out = str(tmp_path)
+    assert main(tiny_args(data_dir, out, micro_batch_size=4, max_steps=8, checkpoint_interval=0)) == 0
+    a, b = step_losses(out), step_losses(straight_run)
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in b)
+
+
+def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
+    """A save that dies half-way leaves the previous checkpoint intact, and resume ignores the debris."""
+    good = os.path.join(straight_run, "ckpt_000008.pt")
+    path = str(tmp_path / "ckpt_000008.pt")
+    shutil.copy(good, path)
+    ckpt = load_ckpt(path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+    def dying_save(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", dying_save)
+    loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
+    with pytest.raises(OSError, match="disk full"):
+        train_gpt2.save_checkpoint(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 9,
+                                   Config(), loader)
+    assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
+    shutil.copy(good, tmp_path / "ckpt_000004.pt")
+    assert train_gpt2.latest_checkpoint(str(tmp_path)) == path  # newest by step; the .tmp is not a candidate
+
+# -----------------------------------------------------------------------------
+# the pieces: accumulation, fp16 step, LR schedule
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+
+
+def test_accumulated_gradients_equal_one_big_batch(data_dir):
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    small, big = tiny_model(), tiny_model()
+    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, "cpu", nullcontext, scaler, ddp=False)
+    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, "cpu", nullcontext, scaler, ddp=False)
+    for (name, p), q in zip(small.named_parameters(), big.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
+
+
+def fp16_backward(model, scaler, data_dir):
+    x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, y)
+    scaler.scale(loss).backward()
+
+
+def test_fp16_unscales_before_clipping(data_dir):
+    model = tiny_model()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    fp16_backward(model, scaler, data_dir)
+    true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
+    before = copy.deepcopy(model.state_dict())
+    norm = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3)
+    assert norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scaler.get_scale() == 65536.0
+
+
+def test_fp16_inf_step_is_skipped(data_dir):
+    model = tiny_model()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    fp16_backward(model, scaler, data_dir)
+    model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
+    before = copy.deepcopy(model.state_dict())
+    norm = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3)
+    assert not math.isfinite(norm)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert scaler.get_scale() == 32768.0  # backed off
+    assert all(p.grad is None for p in model.parameters())
+    fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
+    assert math.isfinite(optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3))
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_lr_schedule():
+    cfg = Config(max_lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19073)
+    assert get_lr(0, cfg) == pytest.approx(6e-4 / 715)
+    assert get_lr(356, cfg) == pytest.approx(6e-4 * 357 / 715)
+    assert get_lr(714, cfg) == pytest.approx(6e-4)
+    assert get_lr(715, cfg) == pytest.approx(6e-4)
+    mid = 715 + (19073 - 715) // 2
+    assert get_lr(mid, cfg) == pytest.approx((6e-4 + 6e-5) / 2, rel=1e-3)
+    quarter = 715 + (19073 - 715) // 4  # cos(pi/4): 85.4% of the way from min to max
+    assert get_lr(quarter, cfg) == pytest.approx(6e-5 + (6e-4 - 6e-5) * (1 + math.cos(math.pi / 4)) / 2, rel=1e-3)
+    assert get_lr(19072, cfg) == pytest.approx(6e-5, rel=1e-3)
+    assert get_lr(19073, cfg) == get_lr(50000, cfg) == 6e-5
+    lrs = [get_lr(s, cfg) for s in range(715, 19073, 97)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after warmup
+
+# -----------------------------------------------------------------------------
+# config: defaults, files, the shipped configs
+
+
+def test_defaults_are_build_nanogpts_124m_recipe():
+    c = Config()
+    assert (c.total_batch_size, c.micro_batch_size, c.seq_len, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps,
+            c.weight_decay, c.grad_clip, c.vocab_size) == (524288, 64, 1024, 6e-4, 6e-5, 715, 19073, 0.1, 1.0, 50304)
+
+
+@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "finetune_gpt2", "quickstart"])
+def test_shipped_configs_parse(name):
+    cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
+    assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
+    assert cfg.min_lr == pytest.approx(cfg.max_lr / 10)
+    if name != "finetune_gpt2":
+        assert "n_layer" in given and cfg.n_embd % cfg.n_head == 0
+
+
+def test_config_file_then_override(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
+    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=true", "--min_lr=1e-5"])
+    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, True, 1e-5)
+    assert isinstance(cfg.max_lr, float) and given == {"n_layer", "max_lr", "seq_len", "resume", "min_lr"}
+
+# -----------------------------------------------------------------------------
+# bad input: one line on stderr, exit code != 0
+
+
+def bad_config(tmp_path, text):
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the line must say)
+    (["--n_layers=2"], "unknown config key 'n_layers' (did you mean 'n_layer'?)"),
+    (["--max_steps=abc"], "--max_steps=abc is not an integer"),
+    (["--max_lr=fast"], "--max_lr=fast is not a number"),
+    (["--resume=maybe"], "is not true or false"),
+    (["--precision=bf17"], "precision must be one of auto, bf16, fp16, fp32"),
+    (["--compile=yes"], "compile must be one of auto, true, false"),
+    (["--device=tpu"], "device must be one of auto, cpu, cuda, mps"),
+    (["--max_steps"], "options are written --key=value"),
+    (["configs/nope.py"], "config file 'configs/nope.py' not found"),
+    (lambda t: [bad_config(t, "n_layers = 2\n")], "unknown config key 'n_layers'"),
+    (lambda t: [bad_config(t, "max_steps = '10'\n")], "max_steps must be an integer, got '10'"),
+    (lambda t: [bad_config(t, "resume = 1\n")], "resume must be true or false, got 1"),
+    (lambda t: [bad_config(t, "n_layer = = 2\n")], "does not run: SyntaxError"),
+    (["--total_batch_size=100"], "total_batch_size=100 is not a multiple of micro_batch_size x seq_len x world_size"),
+    (["--seq_len=64", "--total_batch_size=128"], "seq_len=64 is longer than block_size=32"),
+    (["--n_head=3"], "n_embd=32 must be divisible by n_head=3"),
+    (["--max_steps=0"], "max_steps must be at least 1"),
+    (["--max_lr=-1"], "max_lr must not be negative"),
+    (lambda t: [f"--data_dir={t / 'nowhere'}"], "does not exist: make the token shards with `python fineweb.py --out_dir"),
+    (lambda t: [f"--data_dir={t}"], "has no train shards (*train*.npy): make the token shards with `python fineweb.py"),
+    (["--vocab_size=32", "--n_embd=32"], "token id"),
+    (["--init_from=/no/such/dir"], "neither a GPT-2 name"),
+    (["--init_from=/no/such/ckpt.pt"], "no such checkpoint file"),
+    (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_INPUTS)
+def test_bad_input_one_line(extra, message, data_dir, tmp_path, capsys):
+    extra = extra(tmp_path) if callable(extra) else extra
+    if "--device=cuda" in extra and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    rc = main(tiny_args(data_dir, str(tmp_path / "out"), max_steps=2) + extra)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_bad_shard_dtype(tmp_path, capsys):
+    d = write_shards(str(tmp_path / "d"))
+    np.save(os.path.join(d, "toy_train_000001.npy"), np.arange(100, dtype=np.int32))
+    assert main(tiny_args(d, str(tmp_path / "out"))) != 0
+    assert "not the 1-D uint16 tokens fineweb.py writes" in capsys.readouterr().err
+
+
+def test_cli_errors_exit_nonzero_without_traceback(tmp_path):
+    """The real command line: exit code 2, one `error:` line, no traceback, nothing written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "train_gpt2.py", f"--data_dir={tmp_path / 'nowhere'}", f"--out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: data_dir") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not out.exists()
+
+# -----------------------------------------------------------------------------
+# quickstart: corpus from pydoc_data through fineweb.py, a few steps
+
+
+def test_quickstart_prepares_its_corpus_and_trains(tmp_path, capsys):
+    pytest.importorskip("fineweb")
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={data}", f"--out_dir={out}",
+            "--max_steps=2", "--micro_batch_size=2", "--seq_len=32", "--total_batch_size=64", "--eval_interval=2",
+            "--val_steps=1", "--sample_interval=2", "--sample_tokens=4", "--num_samples=1"]
+    assert main(args) == 0
+    shards = sorted(f for f in os.listdir(data) if f.endswith(".npy"))
+    assert any("val" in f for f in shards) and any("train" in f for f in shards)
+    n_tok = sum(len(np.load(os.path.join(data, f), mmap_mode="r")) for f in shards)
+    assert 100_000 < n_tok < 300_000  # pydoc_data.topics is ~0.5 MB of text
+    assert [e["step"] for e in read_log(out) if "val_loss" in e] == [0, 2]
+    assert os.path.isfile(os.path.join(out, "ckpt_000002.pt"))
+    assert "sample: 'The for statement" in capsys.readouterr().out
+    stamps = {f: os.path.getmtime(os.path.join(data, f)) for f in shards}
+    assert main(args + ["--max_steps=1", "--eval_interval=0", "--sample_interval=0"]) == 0
+    assert "building the quickstart corpus" not in capsys.readouterr().out  # the corpus is there: not rebuilt
+    assert stamps == {f: os.path.getmtime(os.path.join(data, f)) for f in shards}
