@@ -28,6 +28,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from tqdm import tqdm
 
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
 from tokenizer import get_encoding
@@ -196,9 +197,13 @@ def collate(batch, block_size, shape=None):
     return idx, row_id, torch.tensor(pos), torch.tensor(tgt), counts, n_cut
 
 
+def is_compiled(model):
+    return hasattr(model, "_orig_mod")  # torch.compile's wrapper; only its forward() is compiled
+
+
 def batch_losses(model, idx, row_id, pos, tgt, counts):
     """Summed and mean ending losses per row (R,) for one padded batch."""
-    if hasattr(model, "_orig_mod"):  # torch.compile'd: only forward() is compiled, use its logits
+    if is_compiled(model):  # the compiled forward's full logits, then only the positions needed
         logits = model(idx)[0][row_id, pos]  # (N, V)
     else:  # eager: run the blocks, then lm_head only at the positions that predict an ending token
         logits = model.lm_head(model.hidden_states(idx)[row_id, pos])  # (N, V)
@@ -214,12 +219,11 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
     A compiled model gets every batch at one fixed (4 * batch_size, T) shape, so it compiles once.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
-    from tqdm import tqdm
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
     local = examples[rank::world_size]
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
-    if hasattr(model, "_orig_mod"):  # fixed shape: the longest row of this rank, rounded up to 8
+    if is_compiled(model):  # one fixed shape: the longest row of this rank, rounded up to 8
         T = max((longest(ex) for ex in local), default=1)
         shape = (4 * batch_size, min(-(-T // 8) * 8, block_size))
     else:  # eager: similar lengths together, each batch padded only to its own longest row
@@ -227,7 +231,7 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
         shape = None
     was_training = raw.training
     raw.eval()
-    results, n_cut = [], 0
+    results, n_cut, correct, correct_norm = [], 0, 0, 0
     try:
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
         for i in range(0, len(local), batch_size):
@@ -241,15 +245,15 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
             pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()
             for ex, p, pn in zip(batch, pred, pred_norm):
                 results.append({"index": ex["index"], "label": ex["label"], "pred": p, "pred_norm": pn})
+                correct += p == ex["label"]
+                correct_norm += pn == ex["label"]
             n_cut += cut
             bar.update(E)
-            bar.set_postfix(acc=f"{sum(r['pred'] == r['label'] for r in results) / len(results):.4f}",
-                            acc_norm=f"{sum(r['pred_norm'] == r['label'] for r in results) / len(results):.4f}")
+            bar.set_postfix(acc=f"{correct / len(results):.4f}", acc_norm=f"{correct_norm / len(results):.4f}")
         bar.close()
     finally:
         raw.train(was_training)
-    counts = torch.tensor([len(results), sum(r["pred"] == r["label"] for r in results),
-                           sum(r["pred_norm"] == r["label"] for r in results), n_cut], device=device)
+    counts = torch.tensor([len(results), correct, correct_norm, n_cut], device=device)
     if world_size > 1:
         dist.all_reduce(counts)
     n, correct, correct_norm, truncated = counts.tolist()
@@ -316,7 +320,7 @@ def write_json(path, obj):
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".hellaswag.", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f)
     os.replace(tmp, path)
 
 
