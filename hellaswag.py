@@ -297,19 +297,24 @@ def synthetic_rows(n, seed=0):
 
 
 def bench(model, examples, device, dtype, batch_size):
-    """examples/s of evaluate() against the score_one() loop, on the same model and rows."""
+    """examples/s of evaluate() against the score_one() loop on the same model and rows. The two
+    alternate chunk by chunk, so that a machine busy with other work slows both alike."""
     model.eval()
     for ex in examples[:2]:  # warm-up
         score_one(model, ex, device, dtype)
     evaluate(model, examples[:batch_size], device=device, dtype=dtype, batch_size=batch_size)
-    t0 = time.perf_counter()
-    loop = [score_one(model, ex, device, dtype) for ex in examples]
-    t_loop = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = evaluate(model, examples, device=device, dtype=dtype, batch_size=batch_size)
-    t_batch = time.perf_counter() - t0
-    same = all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
-               for r, (s, m) in zip(res["examples"], loop))
+    t_loop = t_batch = 0.0
+    same = True
+    for i in range(0, len(examples), 4 * batch_size):
+        chunk = examples[i:i + 4 * batch_size]
+        t0 = time.perf_counter()
+        loop = [score_one(model, ex, device, dtype) for ex in chunk]
+        t1 = time.perf_counter()
+        res = evaluate(model, chunk, device=device, dtype=dtype, batch_size=batch_size)
+        t2 = time.perf_counter()
+        t_loop, t_batch = t_loop + t1 - t0, t_batch + t2 - t1
+        same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
+                            for r, (s, m) in zip(res["examples"], loop))
     print(f"one example per forward: {len(examples) / t_loop:8.1f} examples/s")
     print(f"batched ({batch_size:3d} examples): {len(examples) / t_batch:8.1f} examples/s "
           f"({t_loop / t_batch:.1f}x), predictions identical: {same}")
