@@ -322,11 +322,15 @@ def bench(model, examples, device, dtype, batch_size):
 
 
 def write_json(path, obj):
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".hellaswag.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    """Write to a temp file beside path, then rename: an existing file is never left half-written."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".hellaswag.", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv=None):
@@ -352,6 +356,8 @@ def main(argv=None):
             raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
         if args.batch_size < 1:
             raise HellaSwagError(f"--batch_size must be at least 1, got {args.batch_size}")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise HellaSwagError(f"--json {args.json}: its directory does not exist")
         if args.bench and args.data is None:
             with tempfile.TemporaryDirectory() as d:
                 rows = synthetic_rows(args.limit or 200)
@@ -366,7 +372,10 @@ def main(argv=None):
             print("model: a tiny random GPT-2 (2 layers, n_embd 64, the tests' size)")
         else:
             model = load_model(args.model or "gpt2")
-        model.to(device)
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as e:  # no such GPU, or a torch built without CUDA
+            raise HellaSwagError(f"--device {device}: {(str(e).splitlines() or ['unavailable'])[0]}") from None
     except HellaSwagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
