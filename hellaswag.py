@@ -146,7 +146,8 @@ def token_losses(logits, targets):
     """Cross-entropy per target token, in fp32, over the 50257 real tokens (a padded vocab's extra
     rows are never targets)."""
     logits = logits[..., :GPT2_VOCAB_SIZE].float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view(targets.shape)
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    return losses.view(targets.shape)
 
 
 def autocast(device, dtype):
