@@ -114,11 +114,16 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
             path = download_split(split, data_dir)
     enc = get_encoding()
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                ex = parse_row(line, f"{path} row {lineno}", enc)
-                examples.append({"index": len(examples), **ex})
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    ex = parse_row(line, f"{path} row {lineno}", enc)
+                    examples.append({"index": len(examples), **ex})
+    except UnicodeDecodeError:
+        raise HellaSwagError(f"{path} is not UTF-8 text: is it a HellaSwag jsonl file?") from None
+    except OSError as e:
+        raise HellaSwagError(f"could not read {path}: {e.strerror or e}") from None
     if not examples:
         raise HellaSwagError(f"{path} has no rows")
     return examples

@@ -283,6 +283,10 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir, capsys):
         last = err.strip().splitlines()[-1]  # transformers may draw its loading bar before it
         assert e.value.code == 2 and last.startswith("error: ") and err.count("error: ") == 1, (argv, err)
         assert "Traceback" not in err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x80\x81 not text\n")
+    with pytest.raises(HellaSwagError, match="is not UTF-8 text"):
+        load_examples(data_file=str(binary))
     not_ckpt = tmp_path / "ckpt_bad.pt"
     not_ckpt.write_text("not a checkpoint")
     with pytest.raises(HellaSwagError, match="not a train_gpt2.py checkpoint"):
