@@ -1,0 +1,407 @@
+"""
+HellaSwag, zero-shot and completion style: which of 4 endings does the model find most likely?
+
+    python hellaswag.py --model gpt2                    # downloads hellaswag_val.jsonl once (10,042 rows)
+    python hellaswag.py --model out/ckpt_019073.pt      # one of train_gpt2.py's checkpoints
+    python hellaswag.py --model out/hf --data rows.jsonl --limit 500 --json result.json
+    python hellaswag.py --bench                         # batched vs one-example-at-a-time, examples/s
+
+Each ending is scored as the row context + " " + ending: the model's cross-entropy over the ending
+tokens only, summed (acc: the lowest sum wins) and averaged per token (acc_norm: the lowest mean wins).
+Many examples go through one forward pass (rows right-padded, padding never scored) and the lm_head
+runs only where an ending token is predicted; score_one() is the plain one-example reference.
+
+Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
+hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
+from tokenizer import get_encoding
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
+URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
+SPLITS = ("train", "val", "test")
+
+
+class HellaSwagError(RuntimeError):
+    """A one-line message for the user (missing file, malformed row); the CLI prints `error: ...`."""
+
+# -----------------------------------------------------------------------------
+# data: rowanz/hellaswag jsonl, one {"ctx": str, "endings": [4 str], "label": int, ...} per line
+
+
+def download_split(split, data_dir=DEFAULT_DIR):
+    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path."""
+    path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
+    if os.path.isfile(path):
+        return path
+    url = URL.format(split=split)
+    print(f"hellaswag: downloading {url} -> {path}")
+    tmp = None
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".hellaswag_{split}.", suffix=".part")
+        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as r:
+            shutil.copyfileobj(r, f)
+        os.replace(tmp, path)  # a partial download never takes the real name
+    except OSError as e:  # no network, HTTP error, timeout, unwritable data_dir
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        reason = str(getattr(e, "reason", None) or e).splitlines()[0]
+        raise HellaSwagError(f"could not download {url} ({reason}): save that file as {path} "
+                             "yourself, or pass --data FILE.jsonl") from None
+    return path
+
+
+def parse_row(line, where, enc):
+    """One jsonl line -> {"label", "ctx_tokens", "ending_tokens": [4 lists]}; where names the row."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise HellaSwagError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise HellaSwagError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
+    if not isinstance(ctx, str) or not ctx.strip():
+        raise HellaSwagError(f"{where}: missing or empty 'ctx' (the context string)")
+    if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
+        got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
+        raise HellaSwagError(f"{where}: 'endings' must be a list of 4 strings, got {got}")
+    if label is None:
+        raise HellaSwagError(f"{where}: no 'label' (HellaSwag's test split is unlabelled: score val or train)")
+    if isinstance(label, str) and label.strip().isdigit():  # the Hugging Face copy stores "0".."3"
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
+        raise HellaSwagError(f"{where}: 'label' must be 0, 1, 2 or 3, got {label!r}")
+    return {"label": label,
+            "ctx_tokens": enc.encode_ordinary(ctx),
+            "ending_tokens": [enc.encode_ordinary(" " + e) for e in endings]}
+
+
+def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True):
+    """Tokenized examples of a HellaSwag split (downloaded into data_dir on first use) or of a local
+    jsonl file in the same format. Raises HellaSwagError with a one-line message."""
+    if data_file is not None:
+        path = data_file
+        if not os.path.isfile(path):
+            raise HellaSwagError(f"{path}: no such file (expected HellaSwag jsonl rows)")
+    else:
+        if split not in SPLITS:
+            raise HellaSwagError(f"unknown split {split!r}: use train, val or test")
+        if split == "test":
+            raise HellaSwagError("HellaSwag's test split has no labels (its answers are held out), "
+                                 "so it cannot be scored: use --split val (or train)")
+        path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
+        if not os.path.isfile(path):
+            if not download:
+                raise HellaSwagError(f"{path} is missing: download {URL.format(split=split)} there, "
+                                     "or pass --data FILE.jsonl")
+            path = download_split(split, data_dir)
+    enc = get_encoding()
+    examples = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    ex = parse_row(line, f"{path} row {lineno}", enc)
+                    examples.append({"index": len(examples), **ex})
+    except UnicodeDecodeError:
+        raise HellaSwagError(f"{path} is not UTF-8 text: is it a HellaSwag jsonl file?") from None
+    except OSError as e:
+        raise HellaSwagError(f"could not read {path}: {e.strerror or e}") from None
+    if not examples:
+        raise HellaSwagError(f"{path} has no rows")
+    return examples
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def rows_of(example, block_size):
+    """The 4 token rows ctx + ending, cut from the left to block_size. Returns (rows, starts, cut):
+    row[start:] are the ending tokens scored (position 0 has nothing before it to predict it from)
+    and cut says whether any row lost tokens."""
+    ctx = example["ctx_tokens"]
+    rows, starts, cut = [], [], False
+    for end in example["ending_tokens"]:
+        row = ctx + end
+        drop = max(0, len(row) - block_size)
+        rows.append(row[drop:])
+        starts.append(max(len(ctx) - drop, 1))
+        cut = cut or drop > 0
+    return rows, starts, cut
+
+
+def token_losses(logits, targets):
+    """Cross-entropy per target token, in fp32, over the 50257 real tokens (a padded vocab's extra
+    rows are never targets)."""
+    logits = logits[..., :GPT2_VOCAB_SIZE].float()
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    return losses.view(targets.shape)
+
+
+def autocast(device, dtype):
+    device_type = torch.device(device).type
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@torch.no_grad()
+def score_one(model, example, device="cpu", dtype=torch.float32):
+    """The reference: one example (4 rows) per forward, full logits, a mask over the ending tokens.
+    Returns (summed losses (4,), mean losses (4,))."""
+    rows, starts, _ = rows_of(example, model.config.block_size)
+    T = max(len(r) for r in rows)
+    tokens = torch.zeros(4, T, dtype=torch.long)
+    mask = torch.zeros(4, T)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, start:len(row)] = 1.0
+    tokens, mask = tokens.to(device), mask.to(device)
+    with autocast(device, dtype):
+        logits, _ = model(tokens)  # (4, T, V)
+    losses = token_losses(logits[:, :-1], tokens[:, 1:])  # (4, T-1): position t predicts token t+1
+    mask = mask[:, 1:]
+    summed = (losses * mask).sum(dim=1)  # (4,)
+    return summed, summed / mask.sum(dim=1)
+
+
+def collate(batch, block_size, shape=None):
+    """Rows of a batch of examples, right-padded to the longest row (or to a fixed (R, T) shape).
+    Returns idx (R, T), for every scored token: its row, the position that predicts it and the token
+    itself (N,) each; the number of scored tokens per row (R,); and how many examples were cut."""
+    rows, starts, n_cut = [], [], 0
+    for ex in batch:
+        r, s, cut = rows_of(ex, block_size)
+        rows += r
+        starts += s
+        n_cut += cut
+    R, T = shape or (len(rows), max(len(r) for r in rows))
+    idx = torch.zeros(R, T, dtype=torch.long)
+    row_id, pos, tgt = [], [], []
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        idx[i, :len(row)] = torch.tensor(row)
+        row_id += [i] * (len(row) - start)
+        pos += range(start - 1, len(row) - 1)
+        tgt += row[start:]
+    row_id = torch.tensor(row_id)
+    counts = torch.bincount(row_id, minlength=R)  # (R,) padding rows score nothing
+    return idx, row_id, torch.tensor(pos), torch.tensor(tgt), counts, n_cut
+
+
+def is_compiled(model):
+    return hasattr(model, "_orig_mod")  # torch.compile's wrapper; only its forward() is compiled
+
+
+def batch_losses(model, idx, row_id, pos, tgt, counts):
+    """Summed and mean ending losses per row (R,) for one padded batch."""
+    if is_compiled(model):  # the compiled forward's full logits, then only the positions needed
+        logits = model(idx)[0][row_id, pos]  # (N, V)
+    else:  # eager: run the blocks, then lm_head only at the positions that predict an ending token
+        logits = model.lm_head(model.hidden_states(idx)[row_id, pos])  # (N, V)
+    losses = token_losses(logits, tgt)  # (N,)
+    summed = torch.zeros(idx.size(0), device=losses.device).index_add_(0, row_id, losses)  # (R,)
+    return summed, summed / counts.clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, rank=0, world_size=1, progress=False):
+    """Accuracy of model on examples: this rank scores examples[rank::world_size], batch_size examples
+    (4 * batch_size rows) per forward, and the counts are summed over ranks with all_reduce.
+    A compiled model gets every batch at one fixed (4 * batch_size, T) shape, so it compiles once.
+    Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
+    "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
+    raw = getattr(model, "_orig_mod", model)
+    block_size = raw.config.block_size
+    local = examples[rank::world_size]
+    longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
+    if is_compiled(model):  # one fixed shape: the longest row of this rank, rounded up to 8
+        T = max((longest(ex) for ex in local), default=1)
+        shape = (4 * batch_size, min(-(-T // 8) * 8, block_size))
+    else:  # eager: similar lengths together, each batch padded only to its own longest row
+        local = sorted(local, key=longest, reverse=True)
+        shape = None
+    was_training = raw.training
+    raw.eval()
+    results, n_cut, correct, correct_norm = [], 0, 0, 0
+    try:
+        bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
+        for i in range(0, len(local), batch_size):
+            batch = local[i:i + batch_size]
+            idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, shape)
+            idx, row_id, pos, tgt, counts = (t.to(device, non_blocking=True) for t in (idx, row_id, pos, tgt, counts))
+            with autocast(device, dtype):
+                summed, mean = batch_losses(model, idx, row_id, pos, tgt, counts)  # (R,), (R,)
+            E = len(batch)
+            pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
+            pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()
+            for ex, p, pn in zip(batch, pred, pred_norm):
+                results.append({"index": ex["index"], "label": ex["label"], "pred": p, "pred_norm": pn})
+                correct += p == ex["label"]
+                correct_norm += pn == ex["label"]
+            n_cut += cut
+            bar.update(E)
+            bar.set_postfix(acc=f"{correct / len(results):.4f}", acc_norm=f"{correct_norm / len(results):.4f}")
+        bar.close()
+    finally:
+        raw.train(was_training)
+    counts = torch.tensor([len(results), correct, correct_norm, n_cut], device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    n, correct, correct_norm, truncated = counts.tolist()
+    return {"n": n, "acc": correct / n if n else float("nan"), "acc_norm": correct_norm / n if n else float("nan"),
+            "truncated": truncated, "examples": sorted(results, key=lambda r: r["index"])}
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def load_model(name_or_path):
+    """A GPT-2 name (Hugging Face hub), a save_pretrained directory, or a train_gpt2.py checkpoint."""
+    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt"):
+        if not os.path.isfile(name_or_path):
+            raise HellaSwagError(f"checkpoint {name_or_path} not found")
+        print(f"model: checkpoint {name_or_path}")
+        try:
+            return GPT.from_checkpoint(name_or_path)
+        except Exception as e:  # unpickling, missing keys, wrong shapes: all mean "not our checkpoint"
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
+            raise HellaSwagError(f"{name_or_path} is not a train_gpt2.py checkpoint ({msg})") from None
+    if name_or_path in PRETRAINED:
+        from huggingface_hub.constants import HF_HUB_CACHE
+        print(f"model: {name_or_path} from the Hugging Face hub, cached under {HF_HUB_CACHE}")
+    try:
+        return GPT.from_pretrained(name_or_path)
+    except ValueError as e:
+        raise HellaSwagError(str(e)) from None
+
+
+def synthetic_rows(n, seed=0):
+    """n HellaSwag-format rows of random English words (from the GPT-2 vocabulary) with
+    HellaSwag-like lengths, for the benchmark."""
+    enc = get_encoding()
+    words = [w for w in (enc.decode([i]) for i in range(enc.n_vocab - 1))
+             if w.startswith(" ") and w[1:].isalpha() and w[1:].islower() and len(w) > 3]
+    rng = random.Random(seed)
+    sentence = lambda k: " ".join(w.strip() for w in rng.choices(words, k=k)).capitalize() + "."  # noqa: E731
+    return [{"ind": i, "ctx": sentence(rng.randint(15, 70)), "label": rng.randrange(4),
+             "endings": [sentence(rng.randint(5, 35)) for _ in range(4)]} for i in range(n)]
+
+
+def bench(model, examples, device, dtype, batch_size):
+    """examples/s of evaluate() against the score_one() loop on the same model and rows. The two
+    alternate chunk by chunk, so that a machine busy with other work slows both alike."""
+    model.eval()
+    for ex in examples[:2]:  # warm-up
+        score_one(model, ex, device, dtype)
+    evaluate(model, examples[:batch_size], device=device, dtype=dtype, batch_size=batch_size)
+    t_loop = t_batch = 0.0
+    same = True
+    for i in range(0, len(examples), 4 * batch_size):
+        chunk = examples[i:i + 4 * batch_size]
+        t0 = time.perf_counter()
+        loop = [score_one(model, ex, device, dtype) for ex in chunk]
+        t1 = time.perf_counter()
+        res = evaluate(model, chunk, device=device, dtype=dtype, batch_size=batch_size)
+        t2 = time.perf_counter()
+        t_loop, t_batch = t_loop + t1 - t0, t_batch + t2 - t1
+        same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
+                            for r, (s, m) in zip(res["examples"], loop))
+    print(f"one example per forward: {len(examples) / t_loop:8.1f} examples/s")
+    print(f"batched ({batch_size:3d} examples): {len(examples) / t_batch:8.1f} examples/s "
+          f"({t_loop / t_batch:.1f}x), predictions identical: {same}")
+    return same
+
+
+def write_json(path, obj):
+    """Write to a temp file beside path, then rename: an existing file is never left half-written."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".hellaswag.", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
+    p.add_argument("--model", default=None,
+                   help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, or a ckpt_*.pt")
+    p.add_argument("--split", default="val", choices=SPLITS)
+    p.add_argument("--data", default=None, help="a local jsonl file in the HellaSwag format (works offline)")
+    p.add_argument("--data_dir", default=DEFAULT_DIR, help="where the downloaded split is cached")
+    p.add_argument("--limit", type=int, default=None, help="only the first N examples")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, mps, cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast dtype")
+    p.add_argument("--batch_size", type=int, default=16, help="examples (4 rows each) per forward pass")
+    p.add_argument("--json", default=None, help="write n, acc, acc_norm and per-example predictions here")
+    p.add_argument("--bench", action="store_true",
+                   help="time batched vs one-example scoring (a tiny random GPT-2 and 200 synthetic rows "
+                        "unless --model/--data/--limit are given)")
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
+        if args.batch_size < 1:
+            raise HellaSwagError(f"--batch_size must be at least 1, got {args.batch_size}")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise HellaSwagError(f"--json {args.json}: its directory does not exist")
+        if args.bench and args.data is None:
+            with tempfile.TemporaryDirectory() as d:
+                rows = synthetic_rows(args.limit or 200)
+                with open(os.path.join(d, "rows.jsonl"), "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                examples = load_examples(data_file=os.path.join(d, "rows.jsonl"))
+        else:
+            examples = load_examples(args.split, args.data, args.data_dir)[:args.limit]
+        if args.bench and args.model is None:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64))
+            print("model: a tiny random GPT-2 (2 layers, n_embd 64, the tests' size)")
+        else:
+            model = load_model(args.model or "gpt2")
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as e:  # no such GPU, or a torch built without CUDA
+            raise HellaSwagError(f"--device {device}: {(str(e).splitlines() or ['unavailable'])[0]}") from None
+    except HellaSwagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.bench:
+        print(f"benchmark: {len(examples)} examples on {device}, {torch.get_num_threads()} threads, {args.dtype}")
+        sys.exit(0 if bench(model, examples, device, dtype, args.batch_size) else 1)
+    t0 = time.time()
+    res = evaluate(model, examples, device=device, dtype=dtype, batch_size=args.batch_size, progress=True)
+    dt = time.time() - t0
+    print(f"hellaswag {'file ' + args.data if args.data else args.split}: {res['n']} examples, "
+          f"acc {res['acc']:.4f}, acc_norm {res['acc_norm']:.4f} ({res['n'] / dt:.1f} examples/s"
+          + (f", {res['truncated']} cut to block_size {model.config.block_size})" if res["truncated"] else ")"))
+    if args.json:
+        try:
+            write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")})
+        except OSError as e:
+            print(f"error: could not write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            sys.exit(2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

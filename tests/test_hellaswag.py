@@ -1,0 +1,321 @@
+import io
+import json
+import math
+import os
+import random
+import urllib.error
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hellaswag
+from hellaswag import HellaSwagError, batch_losses, collate, evaluate, load_examples, score_one
+from model import GPT, GPTConfig
+from tokenizer import get_encoding
+
+WORDS = ("man woman dog ball kitchen knife water slowly quickly jumps runs paints wall car road tree "
+         "rope bike window table chair sings plays guitar piano holds lifts throws catches").split()
+
+
+def make_rows(n, seed=0, ctx_words=(3, 30), end_words=(1, 12)):
+    rng = random.Random(seed)
+    sent = lambda k: " ".join(rng.choices(WORDS, k=k)).capitalize() + "."  # noqa: E731
+    return [{"ind": i, "ctx": sent(rng.randint(*ctx_words)), "label": rng.randrange(4),
+             "endings": [sent(rng.randint(*end_words)) for _ in range(4)], "split": "val"} for i in range(n)]
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    return str(path)
+
+
+def save_ckpt(path, model):
+    torch.save({"model_args": asdict(model.config), "model": model.state_dict()}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    return GPT.from_pretrained(hf_dir, verbose=False).eval()
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    return load_examples(data_file=write_rows(tmp_path_factory.mktemp("rows") / "rows.jsonl", make_rows(9)))
+
+
+def hf_scores(hf_dir, rows, block_size):
+    """Independent reference: GPT2LMHeadModel on each ctx + " " + ending, cut from the left."""
+    from transformers import GPT2LMHeadModel  # here, so that spawned workers need not import it
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    enc = get_encoding()
+    sums, means = [], []
+    for r in rows:
+        s_row, m_row = [], []
+        for end in r["endings"]:
+            end_ids = enc.encode_ordinary(" " + end)
+            ids = (enc.encode_ordinary(r["ctx"]) + end_ids)[-block_size:]
+            scored = [j for j in range(len(ids) - len(end_ids), len(ids)) if j >= 1]
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0]  # (T, V)
+            logp = torch.log_softmax(logits[[j - 1 for j in scored]].float(), dim=-1)  # (n, V)
+            losses = -logp[range(len(scored)), [ids[j] for j in scored]]  # (n,)
+            s_row.append(losses.sum().item())
+            m_row.append(losses.mean().item())
+        sums.append(s_row)
+        means.append(m_row)
+    return torch.tensor(sums), torch.tensor(means)  # (E, 4) each
+
+# -----------------------------------------------------------------------------
+# scores: batched == one-example loop == GPT2LMHeadModel
+
+
+def test_batched_equals_loop_and_hf(hf_dir, model, examples):
+    rows = make_rows(9)
+    ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
+    # the one-example loop
+    loop = [score_one(model, ex) for ex in examples]
+    loop_sum = torch.stack([s for s, _ in loop])
+    loop_mean = torch.stack([m for _, m in loop])
+    assert torch.allclose(loop_sum, ref_sum, atol=1e-3) and torch.allclose(loop_mean, ref_mean, atol=1e-4)
+    # batched losses, all 9 examples in one padded batch
+    idx, row_id, pos, tgt, counts, cut = collate(examples, block_size=128)
+    assert cut == 0 and idx.shape[0] == 36
+    with torch.no_grad():
+        b_sum, b_mean = batch_losses(model, idx, row_id, pos, tgt, counts)
+    assert torch.allclose(b_sum.view(9, 4), ref_sum, atol=1e-3)
+    assert torch.allclose(b_mean.view(9, 4), ref_mean, atol=1e-4)
+    # predictions through evaluate, batches that do not divide 9, sorted by length
+    for bs in (1, 5):
+        res = evaluate(model, examples, device="cpu", batch_size=bs)
+        assert [r["index"] for r in res["examples"]] == list(range(9))
+        assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
+        assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
+        labels = [r["label"] for r in rows]
+        assert res["n"] == 9
+        assert res["acc"] == sum(p == y for p, y in zip(ref_sum.argmin(dim=1).tolist(), labels)) / 9
+        assert res["acc_norm"] == sum(p == y for p, y in zip(ref_mean.argmin(dim=1).tolist(), labels)) / 9
+
+
+def test_padding_does_not_change_scores(model, examples):
+    batch = examples[:5]
+    with torch.no_grad():
+        tight = batch_losses(model, *collate(batch, 128)[:5])
+        idx, *rest, _ = collate(batch, 128, shape=(32, 120))  # extra rows and columns of padding
+        assert idx.shape == (32, 120)
+        padded = batch_losses(model, idx, *rest)
+    for a, b in zip(tight, padded):
+        assert torch.allclose(a, b[:20], atol=1e-4)
+        assert (a.view(5, 4).argmin(1) == b[:20].view(5, 4).argmin(1)).all()
+    assert (padded[0][20:] == 0).all()  # padding rows score nothing
+
+
+def test_long_rows_are_cut_from_the_left(hf_dir, model, tmp_path):
+    rows = make_rows(2, seed=5, ctx_words=(150, 200)) + make_rows(1, seed=6)  # 2 exceed block_size 128
+    examples = load_examples(data_file=write_rows(tmp_path / "long.jsonl", rows))
+    ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
+    res = evaluate(model, examples, device="cpu", batch_size=2)
+    assert res["truncated"] == 2
+    assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
+    assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
+    s, m = score_one(model, examples[0])
+    assert torch.allclose(s, ref_sum[0], atol=1e-3) and torch.allclose(m, ref_mean[0], atol=1e-4)
+
+# -----------------------------------------------------------------------------
+# acc (summed loss) vs acc_norm (per-token loss): a model whose loss depends only on the target
+
+
+def constant_model():
+    """ln_f's weight is zero, so every position's hidden state is its bias e_0 and the logits are
+    column 0 of the tied embedding: 12 for " the", 0 elsewhere. Loss(" the") = log(e^12 + 50256) - 12
+    ~ 0.27 nats, any other token log(e^12 + 50256) ~ 12.27."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=1, n_embd=8))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[get_encoding().encode_ordinary(" the")[0], 0] = 12.0
+    return model
+
+
+def test_acc_and_acc_norm_differ_when_length_matters(tmp_path, capsys):
+    hi = math.log(math.exp(12) + 50256)
+    lo = hi - 12.0
+    # ending 0: one costly token (lowest sum); ending 1: one costly token + five cheap ones (lowest mean)
+    endings = ["dog", "dog the the the the the", "dog cat", "cat dog ball"]
+    rows = [{"ctx": "A man walks his dog to the park and", "endings": endings, "label": 0},
+            {"ctx": "Then the dog sits and", "endings": endings, "label": 1}]
+    path = write_rows(tmp_path / "crafted.jsonl", rows)
+    model = constant_model()
+    s, m = score_one(model, load_examples(data_file=path)[0])
+    assert torch.allclose(s, torch.tensor([hi, hi + 5 * lo, 2 * hi, 3 * hi]), atol=1e-3)
+    assert torch.allclose(m, torch.tensor([hi, (hi + 5 * lo) / 6, hi, hi]), atol=1e-3)
+    # through the CLI, from one of our checkpoints
+    ckpt = save_ckpt(tmp_path / "ckpt_000010.pt", model)
+    out = tmp_path / "res.json"
+    hellaswag.main(["--model", ckpt, "--data", path, "--json", str(out), "--device", "cpu"])
+    res = json.loads(out.read_text())
+    assert res["n"] == 2 and res["acc"] == 0.5 and res["acc_norm"] == 0.5
+    got = [(e["index"], e["label"], e["pred"], e["pred_norm"]) for e in res["examples"]]
+    assert got == [(0, 0, 0, 1), (1, 1, 0, 1)]  # (index, label, pred by sum, pred by mean)
+    assert "acc 0.5000, acc_norm 0.5000" in capsys.readouterr().out
+
+# -----------------------------------------------------------------------------
+# model paths, compile, train/eval mode
+
+
+def test_cli_hf_dir_matches_checkpoint(hf_dir, model, examples, tmp_path):
+    data = write_rows(tmp_path / "rows.jsonl", make_rows(9))
+    ckpt = save_ckpt(tmp_path / "ckpt_000001.pt", model)
+    outs = []
+    for name in (hf_dir, ckpt):
+        out = tmp_path / f"{len(outs)}.json"
+        hellaswag.main(["--model", name, "--data", data, "--limit", "7", "--batch_size", "4", "--json", str(out)])
+        outs.append(json.loads(out.read_text()))
+    assert outs[0] == outs[1] and outs[0]["n"] == 7
+    loop = [score_one(model, ex) for ex in examples[:7]]
+    assert [e["pred"] for e in outs[0]["examples"]] == [s.argmin().item() for s, _ in loop]
+    assert [e["pred_norm"] for e in outs[0]["examples"]] == [m.argmin().item() for _, m in loop]
+
+
+def test_compiled_model_compiles_once_and_mode_is_restored(model, examples):
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend)
+    model.train()
+    compiled(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))  # a "training" step
+    n_train = len(graphs)
+    ref = evaluate(model, examples, device="cpu", batch_size=4)
+    model.train()
+    first = evaluate(compiled, examples, device="cpu", batch_size=4)  # 4 batches, the last one short
+    assert model.training
+    n_eval = len(graphs) - n_train
+    again = evaluate(compiled, examples[:7], device="cpu", batch_size=4)
+    model.eval()
+    # one graph at one fixed shape (16 rows, T a multiple of 8) for every batch, short or not, and call
+    assert n_eval == 1 and len(graphs) == n_train + 1
+    R, T = graphs[-1][0]
+    assert R == 16 and T % 8 == 0
+    assert first["examples"] == ref["examples"]
+    assert again["examples"] == ref["examples"][:7]
+    torch._dynamo.reset()
+
+
+def test_bf16_autocast_runs_and_mostly_agrees(model, examples):
+    ref = evaluate(model, examples, device="cpu")
+    res = evaluate(model, examples, device="cpu", dtype=torch.bfloat16)
+    assert res["n"] == 9
+    same = sum(a["pred"] == b["pred"] for a, b in zip(ref["examples"], res["examples"]))
+    assert same >= 7  # bf16 rounding may flip near-ties of a random model, not most predictions
+
+# -----------------------------------------------------------------------------
+# two processes over gloo give the single-process counts
+
+
+def _worker(rank, world_size, ckpt, examples, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = GPT.from_checkpoint(ckpt)
+        res = evaluate(model, examples, device="cpu", batch_size=2, rank=rank, world_size=world_size)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gloo_equals_one_process(model, examples, tmp_path):
+    ckpt = save_ckpt(tmp_path / "ckpt.pt", model)
+    mp.spawn(_worker, args=(2, ckpt, examples, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    single = evaluate(model, examples, device="cpu", batch_size=2)
+    for r in ranks:
+        assert (r["n"], r["acc"], r["acc_norm"]) == (single["n"], single["acc"], single["acc_norm"])
+    assert sorted(ranks[0]["examples"] + ranks[1]["examples"], key=lambda e: e["index"]) == single["examples"]
+    assert [len(r["examples"]) for r in ranks] == [5, 4]
+
+# -----------------------------------------------------------------------------
+# bad input
+
+
+GOOD = {"ctx": "A man plays", "endings": ["a", "b", "c", "d"], "label": 2}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 strings, got 3 items"),
+    ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, got 4"),
+    ({k: v for k, v in GOOD.items() if k != "ctx"}, "missing or empty 'ctx'"),
+    ({k: v for k, v in GOOD.items() if k != "label"}, "no 'label'"),
+    ('{"ctx": "A man", "endings": [', "not valid JSON"),
+])
+def test_malformed_row_names_the_row(tmp_path, bad, message):
+    path = write_rows(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(HellaSwagError) as e:
+        load_examples(data_file=path)
+    assert f"{path} row 3: {message}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_errors_are_one_line(tmp_path, hf_dir, capsys):
+    bad = write_rows(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "label": -1}])
+    cases = [["--data", bad, "--model", hf_dir],
+             ["--data", str(tmp_path / "nope.jsonl")],
+             ["--split", "test"],
+             ["--data", write_rows(tmp_path / "ok.jsonl", [GOOD]), "--model", str(tmp_path / "ckpt_missing.pt")],
+             ["--data", bad, "--model", hf_dir, "--limit", "0"],
+             ["--data", bad, "--model", hf_dir, "--json", str(tmp_path / "no_dir" / "out.json")]]
+    if not torch.cuda.is_available():
+        cases.append(["--data", write_rows(tmp_path / "ok.jsonl", [GOOD]), "--model", hf_dir, "--device", "cuda"])
+    for argv in cases:
+        with pytest.raises(SystemExit) as e:
+            hellaswag.main(argv)
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # transformers may draw its loading bar before it
+        assert e.value.code == 2 and last.startswith("error: ") and err.count("error: ") == 1, (argv, err)
+        assert "Traceback" not in err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x80\x81 not text\n")
+    with pytest.raises(HellaSwagError, match="is not UTF-8 text"):
+        load_examples(data_file=str(binary))
+    not_ckpt = tmp_path / "ckpt_bad.pt"
+    not_ckpt.write_text("not a checkpoint")
+    with pytest.raises(HellaSwagError, match="not a train_gpt2.py checkpoint"):
+        hellaswag.load_model(str(not_ckpt))
+
+
+def test_missing_file_offline_says_where_to_put_it(tmp_path, monkeypatch):
+    path = tmp_path / "hellaswag_val.jsonl"
+    with pytest.raises(HellaSwagError) as e:
+        load_examples("val", data_dir=str(tmp_path), download=False)
+    assert str(path) in str(e.value) and hellaswag.URL.format(split="val") in str(e.value)
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("Name or service not known")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    with pytest.raises(HellaSwagError, match=r"could not download .*\(Name or service not known\): save that file as"):
+        load_examples("val", data_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []  # no partial file left behind
+
+
+def test_download_is_cached(tmp_path, monkeypatch):
+    body = "".join(json.dumps(r) + "\n" for r in make_rows(3)).encode()
+    urls = []
+
+    def fake(url, timeout):
+        urls.append(url)
+        return io.BytesIO(body)
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", fake)
+    first = load_examples("train", data_dir=str(tmp_path))
+    again = load_examples("train", data_dir=str(tmp_path))
+    assert urls == ["https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_train.jsonl"]
+    assert first == again and len(first) == 3 and os.listdir(tmp_path) == ["hellaswag_train.jsonl"]
