@@ -382,8 +382,11 @@ def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dty
     given), and on CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
     device_type = torch.device(device).type
     params = list(model.parameters())
+    grads = tensor_bytes(p.grad for p in params)
+    if grads == 0:  # freed after the step (zero_grad(set_to_none=True)): what backward allocates again
+        grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
     parts = [f"params {fmt_bytes(tensor_bytes(params))}",
-             f"grads {fmt_bytes(tensor_bytes(p.grad for p in params))}",
+             f"grads {fmt_bytes(grads)}",
              f"optimizer state {fmt_bytes(tensor_bytes(optimizer_state_tensors(optimizer)))}"]
     if micro_batch and seq_len:
         act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype, device_type)

@@ -56,7 +56,7 @@ class Config:
     block_size: int = 1024
     vocab_size: int = 50304  # 50257 padded to a multiple of 64: faster matmuls
     # batch: total_batch_size tokens per optimizer step, in micro-batches of micro_batch_size x seq_len per rank
-    micro_batch_size: int = 64  # resolved in resolve_micro_batch_size() (the one place that may learn "auto")
+    micro_batch_size: int = 64  # or "auto" (CUDA): the largest fast one that fits, see resolve_micro_batch_size()
     seq_len: int = 1024
     total_batch_size: int = 524288  # 2**19 tokens, ~0.5M as in GPT-3 Small
     # optimization: AdamW, linear warmup then cosine decay to min_lr
@@ -104,11 +104,14 @@ def check_key(key):
 
 def check_value(key, value):
     """value (from a config file, or parsed from the command line) as the key's type, or UserError."""
+    if key == "micro_batch_size" and value == "auto":
+        return value
     t = FIELDS[key].type
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        raise UserError(f"{key} must be {TYPE_NAMES[t]}, got {value!r} (default: {FIELDS[key].default!r})")
+        kind = 'an integer or "auto"' if key == "micro_batch_size" else TYPE_NAMES[t]
+        raise UserError(f"{key} must be {kind}, got {value!r} (default: {FIELDS[key].default!r})")
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(f"{key} must be one of {', '.join(CHOICES[key])}; got {value!r}")
     return value
@@ -117,12 +120,15 @@ def check_value(key, value):
 def parse_value(key, text):
     """A --key=value string as the key's type."""
     t = FIELDS[key].type
+    if key == "micro_batch_size" and text == "auto":
+        return text
     try:
         if t is bool:
             return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
         return t(text)
     except (KeyError, ValueError):
-        raise UserError(f"--{key}={text} is not {TYPE_NAMES[t]} (default: {FIELDS[key].default!r})") from None
+        kind = 'an integer or "auto"' if key == "micro_batch_size" else TYPE_NAMES[t]
+        raise UserError(f"--{key}={text} is not {kind} (default: {FIELDS[key].default!r})") from None
 
 
 def read_config_file(path):
@@ -161,7 +167,7 @@ def parse_args(argv):
 def validate(cfg):
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
                 "total_batch_size", "max_steps", "val_steps", "num_samples"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) != "auto" and getattr(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
                 "sample_tokens", "checkpoint_interval", "max_lr", "min_lr", "weight_decay", "grad_clip"):
@@ -535,9 +541,18 @@ def resolve_device(name, local_rank):
     return f"cuda:{local_rank}" if name == "cuda" else name
 
 
-def resolve_micro_batch_size(cfg, world_size):
-    """THE place the micro-batch is decided; main() calls it once the model and optimizer exist, so that
-    a memory probe for a later micro_batch_size="auto" can land here. Returns the accumulation steps."""
+def resolve_micro_batch_size(cfg, world_size, raw_model, optimizer, device, plan, say):
+    """THE place the micro-batch is decided, once the model and optimizer exist and before compile/DDP
+    wrap them. micro_batch_size="auto" probes the GPU for the largest fast micro-batch (bench.py); on
+    CPU/MPS it keeps the default. Sets cfg.micro_batch_size and returns the accumulation steps."""
+    if cfg.micro_batch_size == "auto":
+        from bench import auto_micro_batch
+        try:
+            cfg.micro_batch_size, reason = auto_micro_batch(raw_model, optimizer, cfg.seq_len, cfg.total_batch_size,
+                                                            world_size, device, plan, default=FIELDS["micro_batch_size"].default)
+        except ValueError as e:
+            raise UserError(f"micro_batch_size=auto: {e}") from None
+        say(reason)
     tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     if cfg.total_batch_size % tokens:
         raise UserError(f"total_batch_size={cfg.total_batch_size} is not a multiple of micro_batch_size x seq_len x "
@@ -624,7 +639,7 @@ def train(argv, ddp, rank, master):
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
 
     # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
-    grad_accum = resolve_micro_batch_size(cfg, world_size)
+    grad_accum = resolve_micro_batch_size(cfg, world_size, raw_model, optimizer, device, plan, say)
     B, T = cfg.micro_batch_size, cfg.seq_len
     train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
     val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
@@ -699,6 +714,9 @@ def train(argv, ddp, rank, master):
         skipped = " (skipped: inf/nan gradients)" if not math.isfinite(norm) else ""
         say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
             f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
+        if step == start_step and master:
+            from bench import memory_summary
+            say(memory_summary(raw_model, optimizer, device, micro_batch=B, seq_len=T, dtype=plan.dtype))
         if master:
             append_log(log_path, {"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
                                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s})

@@ -344,3 +344,24 @@ def test_quickstart_prepares_its_corpus_and_trains(tmp_path, capsys):
     assert main(args + ["--max_steps=1", "--eval_interval=0", "--sample_interval=0"]) == 0
     assert "building the quickstart corpus" not in capsys.readouterr().out  # the corpus is there: not rebuilt
     assert stamps == {f: os.path.getmtime(os.path.join(data, f)) for f in shards}
+
+
+def test_auto_micro_batch_falls_back_on_cpu_and_memory_line(data_dir, tmp_path, capsys):
+    out = str(tmp_path / "auto")
+    # the CPU fallback is the default micro-batch, 64: the total batch must divide by 64 x 8
+    assert main(tiny_args(data_dir, out, micro_batch_size="auto", seq_len=8, total_batch_size=512, max_steps=1,
+                          eval_interval=0, checkpoint_interval=0)) == 0
+    printed = capsys.readouterr().out
+    assert "micro_batch_size=auto needs CUDA; on cpu using the default micro_batch 64" in printed
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["micro_batch_size"] == 64
+    line = next(l for l in printed.splitlines() if l.startswith("memory: "))
+    n = sum(p.numel() for p in GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).parameters())
+    assert f"params {n * 4 / 2**10:.1f} KiB" in line and f"grads {n * 4 / 2**10:.1f} KiB" in line
+    assert "optimizer state" in line and "activations" in line
+
+
+def test_auto_micro_batch_that_cannot_divide(data_dir, tmp_path, capsys):
+    assert main(tiny_args(data_dir, str(tmp_path / "x"), micro_batch_size="auto", total_batch_size=64)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: micro_batch_size=auto:") and "\n" not in err
