@@ -384,10 +384,10 @@ def main(argv=None):
             raise HellaSwagError(f"--device {device}: {(str(e).splitlines() or ['unavailable'])[0]}") from None
     except HellaSwagError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     if args.bench:
         print(f"benchmark: {len(examples)} examples on {device}, {torch.get_num_threads()} threads, {args.dtype}")
-        sys.exit(0 if bench(model, examples, device, dtype, args.batch_size) else 1)
+        return 0 if bench(model, examples, device, dtype, args.batch_size) else 1
     t0 = time.time()
     res = evaluate(model, examples, device=device, dtype=dtype, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
@@ -399,9 +399,10 @@ def main(argv=None):
             write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")})
         except OSError as e:
             print(f"error: could not write --json {args.json}: {e.strerror or e}", file=sys.stderr)
-            sys.exit(2)
+            return 2
         print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

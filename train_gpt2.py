@@ -629,9 +629,9 @@ def train(argv, ddp, rank, master):
         raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
         setattr(cfg, k, getattr(raw_model.config, k))
-    if cfg.sample_interval > 0 and cfg.vocab_size < GPT2_VOCAB_SIZE:
-        say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling is off")
-        cfg.sample_interval = 0
+    if cfg.vocab_size < GPT2_VOCAB_SIZE and (cfg.sample_interval > 0 or cfg.hellaswag_interval > 0):
+        say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling and HellaSwag are off")
+        cfg.sample_interval = cfg.hellaswag_interval = 0
     if cfg.seq_len > cfg.block_size:
         raise UserError(f"seq_len={cfg.seq_len} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
     raw_model.to(device)
