@@ -8,8 +8,11 @@ HellaSwag, zero-shot and completion style: which of 4 endings does the model fin
 
 Each ending is scored as the row context + " " + ending: the model's cross-entropy over the ending
 tokens only, summed (acc: the lowest sum wins) and averaged per token (acc_norm: the lowest mean wins).
-Many examples go through one forward pass (rows right-padded, padding never scored) and the lm_head
-runs only where an ending token is predicted; score_one() is the plain one-example reference.
+Many examples go through one forward pass and the lm_head runs only where an ending token is
+predicted. Each example is packed into one row ctx + end1 + end2 + end3 + end4 (each ending at the
+positions that follow the context, seeing only the context and itself), so the context is computed once
+instead of 4 times; examples that do not fit block_size that way (and compiled models) use 4 rows
+ctx + ending_i. Rows are right-padded, padding never scored; score_one() is the plain one-example reference.
 
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
@@ -203,49 +206,111 @@ def collate(batch, block_size, shape=None):
     return idx, row_id, torch.tensor(pos), torch.tensor(tgt), counts, n_cut
 
 
+def packed_len(example):
+    """Length of the packed row: an ending's last token predicts nothing and no other token attends to
+    it, so it is scored but not fed in."""
+    return len(example["ctx_tokens"]) + sum(len(e) - 1 for e in example["ending_tokens"])
+
+
+def packable(example, block_size):
+    """Whether the example fits one packed row of block_size, each ctx + ending uncut."""
+    ctx, ends = example["ctx_tokens"], example["ending_tokens"]
+    return (len(ctx) >= 1 and all(ends) and max(len(ctx) + len(e) for e in ends) <= block_size
+            and packed_len(example) <= block_size)
+
+
+def collate_packed(batch):
+    """One row per example, ctx + end1 + end2 + end3 + end4 (each ending without its last token, see
+    packed_len), right-padded to the longest: each ending's position ids restart at len(ctx) and the
+    mask lets it see the context and itself only, so it is scored exactly as the row ctx + ending,
+    but the context goes through the model once, not 4 times.
+    Returns idx, pos_ids (B, T), attn_mask (B, 1, T, T) and, for every scored token: its row, the
+    position that predicts it, the token, its ending (4 * example + i) (N,) each; counts (4B,)."""
+    B, T = len(batch), max(packed_len(ex) for ex in batch)
+    idx = torch.zeros(B, T, dtype=torch.long)
+    pos_ids = torch.zeros(B, T, dtype=torch.long)
+    seg = torch.full((B, T), -1)  # 0 context, 1..4 ending, -1 padding
+    seq_id, pos, tgt, row_id = [], [], [], []
+    for b, ex in enumerate(batch):
+        ctx = ex["ctx_tokens"]
+        C = len(ctx)
+        idx[b, :C], pos_ids[b, :C], seg[b, :C] = torch.tensor(ctx), torch.arange(C), 0
+        at = C
+        for i, end in enumerate(ex["ending_tokens"]):
+            E = len(end) - 1  # tokens fed in
+            idx[b, at:at + E] = torch.tensor(end[:-1], dtype=torch.long)
+            pos_ids[b, at:at + E] = torch.arange(C, C + E)
+            seg[b, at:at + E] = i + 1
+            seq_id += [b] * (E + 1)
+            pos += [C - 1] + list(range(at, at + E))  # the context's last token predicts the first
+            tgt += end
+            row_id += [4 * b + i] * (E + 1)
+            at += E
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
+    causal = pos_ids[:, None, :] <= pos_ids[:, :, None]  # (B, T, T) key position <= query position
+    attn_mask = (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal  # padding sees only padding
+    row_id = torch.tensor(row_id)
+    counts = torch.bincount(row_id, minlength=4 * B)  # (4B,)
+    return idx, pos_ids, attn_mask[:, None], torch.tensor(seq_id), torch.tensor(pos), torch.tensor(tgt), row_id, counts
+
+
 def is_compiled(model):
     return hasattr(model, "_orig_mod")  # torch.compile's wrapper; only its forward() is compiled
 
 
-def batch_losses(model, idx, row_id, pos, tgt, counts):
-    """Summed and mean ending losses per row (R,) for one padded batch."""
+def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None, attn_mask=None):
+    """Summed and mean ending losses per row (R,) for one padded batch: the token predicted at
+    idx[seq_id, pos] (seq_id defaults to row_id) counts for row row_id. Packed batches pass seq_id,
+    pos_ids and attn_mask from collate_packed (eager models only)."""
+    seq_id = row_id if seq_id is None else seq_id
     if is_compiled(model):  # the compiled forward's full logits, then only the positions needed
-        logits = model(idx)[0][row_id, pos]  # (N, V)
+        assert attn_mask is None, "packed batches run eager: the compiled forward takes no mask"
+        logits = model(idx)[0][seq_id, pos]  # (N, V)
     else:  # eager: run the blocks, then lm_head only at the positions that predict an ending token
-        logits = model.lm_head(model.hidden_states(idx)[row_id, pos])  # (N, V)
+        logits = model.lm_head(model.hidden_states(idx, pos_ids, attn_mask)[seq_id, pos])  # (N, V)
     losses = token_losses(logits, tgt)  # (N,)
-    summed = torch.zeros(idx.size(0), device=losses.device).index_add_(0, row_id, losses)  # (R,)
+    summed = torch.zeros(counts.size(0), device=losses.device).index_add_(0, row_id, losses)  # (R,)
     return summed, summed / counts.clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, rank=0, world_size=1, progress=False):
     """Accuracy of model on examples: this rank scores examples[rank::world_size], batch_size examples
-    (4 * batch_size rows) per forward, and the counts are summed over ranks with all_reduce.
-    A compiled model gets every batch at one fixed (4 * batch_size, T) shape, so it compiles once.
+    per forward, and the counts are summed over ranks with all_reduce. An eager model gets one packed
+    row per example (collate_packed) where ctx + 4 endings fit block_size, else 4 rows (collate).
+    A compiled model gets 4 rows per example at one fixed (4 * batch_size, T) shape, so it compiles once.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
     local = examples[rank::world_size]
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
-    if is_compiled(model):  # one fixed shape: the longest row of this rank, rounded up to 8
+    if is_compiled(model):  # 4 rows per example at one fixed shape: the longest row of this rank, rounded up to 8
         T = max((longest(ex) for ex in local), default=1)
         shape = (4 * batch_size, min(-(-T // 8) * 8, block_size))
-    else:  # eager: similar lengths together, each batch padded only to its own longest row
-        local = sorted(local, key=longest, reverse=True)
-        shape = None
+        batches = [(local[i:i + batch_size], False) for i in range(0, len(local), batch_size)]
+    else:  # eager: one packed row per example where it fits (else 4 rows), similar lengths together,
+        shape = None  # each batch padded only to its own longest row
+        packed = sorted([ex for ex in local if packable(ex, block_size)], key=packed_len, reverse=True)
+        rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
+        batches = ([(packed[i:i + batch_size], True) for i in range(0, len(packed), batch_size)] +
+                   [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
     was_training = raw.training
     raw.eval()
     results, n_cut, correct, correct_norm = [], 0, 0, 0
+    to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     try:
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
-        for i in range(0, len(local), batch_size):
-            batch = local[i:i + batch_size]
-            idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, shape)
-            idx, row_id, pos, tgt, counts = (t.to(device, non_blocking=True) for t in (idx, row_id, pos, tgt, counts))
+        for batch, is_packed in batches:
+            if is_packed:
+                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch)
+                cut = 0
+            else:
+                idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, shape)
+                pos_ids = attn_mask = seq_id = None
             with autocast(device, dtype):
-                summed, mean = batch_losses(model, idx, row_id, pos, tgt, counts)  # (R,), (R,)
+                summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt), to(counts),
+                                            to(seq_id), to(pos_ids), to(attn_mask))  # (R,), (R,)
             E = len(batch)
             pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
             pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()

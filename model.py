@@ -59,17 +59,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.SCALE_INIT = True
 
-    def forward(self, x):
+    def forward(self, x, attn_mask=None):
+        """attn_mask: None means causal; else a bool mask broadcastable to (B, nh, T, T), True = attend."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if self.attn_impl == "sdpa":
+        if self.attn_impl == "sdpa" and attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        elif self.attn_impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, T, hs)
         else:  # the textbook version, kept for the benchmark ladder
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
             att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
             y = att @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -98,8 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, attn_mask=None):
+        x = x + self.attn(self.ln_1(x), attn_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -130,14 +133,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx):
-        """The final layer-normed hidden states (B, T, n_embd); lm_head turns them into logits."""
+    def hidden_states(self, idx, pos=None, attn_mask=None):
+        """The final layer-normed hidden states (B, T, n_embd); lm_head turns them into logits.
+        By default token t sits at position t and attends causally. Packed sequences (several
+        continuations of one prefix in one row, as in hellaswag.py) pass their own position ids
+        pos (B, T) and a bool attn_mask broadcastable to (B, n_head, T, T), True = attend."""
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of length {T} is longer than block_size {self.config.block_size}"
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
+        if pos is None:
+            pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, attn_mask)
         return self.transformer.ln_f(x)  # (B, T, C)
 
     def forward(self, idx, targets=None):

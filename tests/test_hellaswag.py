@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hellaswag
-from hellaswag import HellaSwagError, batch_losses, collate, evaluate, load_examples, score_one
+from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, packable,
+                       rows_of, score_one)
 from model import GPT, GPTConfig
 from tokenizer import get_encoding
 
@@ -100,6 +101,50 @@ def test_batched_equals_loop_and_hf(hf_dir, model, examples):
         assert res["acc"] == sum(p == y for p, y in zip(ref_sum.argmin(dim=1).tolist(), labels)) / 9
         assert res["acc_norm"] == sum(p == y for p, y in zip(ref_mean.argmin(dim=1).tolist(), labels)) / 9
 
+
+
+def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
+    """ctx + 4 endings in one row (positions restart, each ending sees the context and itself) scores
+    each ending as its own row does; evaluate() takes that path for every example that fits."""
+    rows = make_rows(9)
+    ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
+    assert all(packable(ex, 128) for ex in examples)
+    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(examples)
+    assert idx.shape == (9, max(hellaswag.packed_len(ex) for ex in examples))  # one row per example, padded
+    with torch.no_grad():
+        p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)
+    assert torch.allclose(p_sum.view(9, 4), ref_sum, atol=1e-3)
+    assert torch.allclose(p_mean.view(9, 4), ref_mean, atol=1e-4)
+    loop = torch.stack([score_one(model, ex)[0] for ex in examples])  # (9, 4)
+    assert torch.allclose(p_sum.view(9, 4), loop, atol=1e-4)
+    # the naive attention honours the mask too
+    naive = GPT(GPTConfig(**{**asdict(model.config), "attn_impl": "naive"})).eval()
+    naive.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(batch_losses(naive, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)[0], p_sum,
+                              atol=1e-4)
+    # evaluate packs: one packed batch of 4 examples per forward (the last one short)
+    calls = []
+    monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
+    res = evaluate(model, examples, device="cpu", batch_size=4)
+    assert calls == [4, 4, 1] and res["truncated"] == 0
+    assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
+    assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
+
+
+def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
+    # ctx + 4 endings is longer than block_size 128, each ctx + ending is not: 4 rows, nothing cut
+    rows = make_rows(3, seed=7, ctx_words=(50, 60), end_words=(18, 22)) + make_rows(2, seed=8)
+    examples = load_examples(data_file=write_rows(tmp_path / "mixed.jsonl", rows))
+    assert [packable(ex, 128) for ex in examples] == [False] * 3 + [True] * 2
+    assert not any(rows_of(ex, 128)[2] for ex in examples)
+    calls = []
+    monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
+    res = evaluate(model, examples, device="cpu", batch_size=4)
+    assert calls == [2] and res["truncated"] == 0 and res["n"] == 5
+    loop = [score_one(model, ex) for ex in examples]
+    assert [r["pred"] for r in res["examples"]] == [s.argmin().item() for s, _ in loop]
+    assert [r["pred_norm"] for r in res["examples"]] == [m.argmin().item() for _, m in loop]
 
 def test_padding_does_not_change_scores(model, examples):
     batch = examples[:5]

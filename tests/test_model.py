@@ -86,6 +86,50 @@ def test_naive_attention_matches_sdpa():
         assert torch.allclose(a(idx)[0], b(idx)[0], atol=1e-5)
 
 
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "naive"])
+def test_explicit_causal_mask_equals_default(attn_impl):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32, attn_impl=attn_impl)).eval()
+    idx = torch.randint(0, 100, (2, 20))
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    with torch.no_grad():
+        ref = model.hidden_states(idx)
+        assert torch.allclose(model.hidden_states(idx, attn_mask=causal), ref, atol=1e-5)
+        assert torch.allclose(model.hidden_states(idx, torch.arange(20).expand(2, 20), causal[None, None]), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "naive"])
+def test_packed_continuations_equal_separate_rows(attn_impl):
+    """One row prefix + cont_1 + cont_2 + cont_3 (+ padding), each continuation at positions from
+    len(prefix) and seeing only the prefix and itself, gives the hidden states of the 3 separate rows
+    prefix + cont_i."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32, attn_impl=attn_impl)).eval()
+    prefix, conts = torch.randint(0, 100, (7,)), [torch.randint(0, 100, (n,)) for n in (3, 1, 5)]
+    T = 7 + 9 + 4  # 4 padding tokens
+    idx = torch.zeros(1, T, dtype=torch.long)
+    pos = torch.zeros(1, T, dtype=torch.long)
+    seg = [0] * 7 + [1] * 3 + [2] * 1 + [3] * 5 + [-1] * 4  # which part each token belongs to
+    idx[0, :16] = torch.cat([prefix] + conts)
+    pos[0, :16] = torch.cat([torch.arange(7), torch.arange(7, 10), torch.arange(7, 8), torch.arange(7, 12)])
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for q in range(T):
+        for k in range(T):
+            if seg[q] == -1:
+                mask[q, k] = k == q  # padding sees itself only
+            else:
+                mask[q, k] = (seg[k] == 0 or seg[k] == seg[q]) and seg[k] != -1 and pos[0, k] <= pos[0, q]
+    with torch.no_grad():
+        packed = model.hidden_states(idx, pos, mask[None, None])[0]  # (T, C)
+        assert torch.isfinite(packed).all()
+        at = 7
+        for cont in conts:
+            row = model.hidden_states(torch.cat([prefix, cont])[None])[0]  # (7 + n, C)
+            assert torch.allclose(packed[:7], row[:7], atol=1e-5)
+            assert torch.allclose(packed[at:at + len(cont)], row[7:], atol=1e-5)
+            at += len(cont)
+
 def test_single_batch_overfits():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64))
