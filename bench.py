@@ -16,7 +16,6 @@ The trainer uses memory_summary() (one line at the first step) and auto_micro_ba
 """
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ from contextlib import nullcontext
 
 import torch
 
+from fileio import replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, estimate_mfu, flops_per_token
 
 # -----------------------------------------------------------------------------
@@ -297,17 +297,9 @@ def plot_ladder(rows, out, title):
     ax.set_ylabel("tokens / s")
     ax.set_title(textwrap.fill(title, 100), fontsize=9)
     fig.tight_layout()
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with replacing(out, suffix=".tmp.png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, out)
-
-
-def write_json(obj, out):
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, out)
 
 
 # -----------------------------------------------------------------------------
@@ -701,7 +693,7 @@ def main(argv=None):
     rows = run_ladder(args.device, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
     print(ladder_table(rows))
     if args.json:
-        write_json(rows, args.json)
+        write_json(args.json, rows)
     if args.plot:
         plot_ladder(rows, args.plot, header(args).split(" | command")[0])
 

@@ -38,6 +38,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from fileio import replacing, write_json
 from tokenizer import EOT, get_encoding, vocab_hashes
 
 EOT_TEXT = "<|endoftext|>"
@@ -270,23 +271,11 @@ def shard_name(prefix, index):
 
 def write_shard(path, tokens):
     """np.save under a temp name, then rename; returns the file's sha256."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, tokens)  # a real file: numpy writes the array's buffer directly, no copy
-        f.flush()
-        os.fsync(f.fileno())
-    sha = sha256_file(tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, tokens)  # a real file: numpy writes the array's buffer directly, no copy
+        sha = sha256_file(tmp)
     return sha
-
-
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_manifest(out_dir):

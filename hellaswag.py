@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from fileio import write_json
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
 from tokenizer import get_encoding
 
@@ -392,18 +393,6 @@ def bench(model, examples, device, dtype, batch_size):
     return same
 
 
-def write_json(path, obj):
-    """Write to a temp file beside path, then rename: an existing file is never left half-written."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".hellaswag.", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
     p.add_argument("--model", default=None,
@@ -461,7 +450,7 @@ def main(argv=None):
           + (f", {res['truncated']} cut to block_size {model.config.block_size})" if res["truncated"] else ")"))
     if args.json:
         try:
-            write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")})
+            write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")}, indent=None)
         except OSError as e:
             print(f"error: could not write --json {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2

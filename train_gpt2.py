@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fileio import replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, estimate_mfu, flops_per_token
 
 
@@ -424,16 +425,8 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader):
         "loader": loader.state_dict(),
         "rng": rng_state(),
     }
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)  # never a half-written checkpoint under the real name
-
-
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:  # never a half-written checkpoint under the real name
+        torch.save(ckpt, tmp)
 
 
 def append_log(path, event):
