@@ -21,7 +21,6 @@ import statistics
 import sys
 import textwrap
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -89,12 +88,8 @@ def float32_matmul(tf32):
 
 
 def sdpa_context(backends):
-    """Restrict SDPA to the named kernels ('flash', 'efficient', 'math'); () lets torch decide."""
-    if not backends:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    return sdpa_kernel([names[b] for b in backends])
+    from train_gpt2 import sdpa_context  # lazily: the trainer imports this module
+    return sdpa_context(backends)
 
 
 def where_label(device_type, capability):

@@ -246,14 +246,19 @@ def apply_small_gpu_preset(cfg, given):
     return applied
 
 
+def sdpa_context(backends):
+    """Restrict SDPA to the named kernels ('flash', 'efficient', 'math'); () lets torch decide."""
+    if not backends:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([names[b] for b in backends])
+
+
 @contextmanager
 def amp_context(device_type, plan):
     """Autocast to the plan's dtype (none for fp32) and, on CUDA, the plan's SDPA kernels."""
-    sdpa = nullcontext()
-    if device_type == "cuda" and plan.sdpa_backends:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-        sdpa = sdpa_kernel([names[b] for b in plan.sdpa_backends])
+    sdpa = sdpa_context(plan.sdpa_backends if device_type == "cuda" else ())
     with torch.autocast(device_type, dtype=plan.dtype, enabled=plan.dtype != torch.float32), sdpa:
         yield
 
