@@ -11,11 +11,11 @@ The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
 -> +fused AdamW. Rungs that cannot apply on the device are printed as skipped, with the reason.
 
-The trainer uses memory_summary() (one line at the first step) and auto_micro_batch()
-(micro_batch_size="auto"); search_micro_batch() is the pure search they share with --find_batch.
+The memory estimate, the micro-batch finder and the step the probes take live in precision.py (the
+trainer uses them too); this file times and reports. Never imports train_gpt2.
 """
 import argparse
-import gc
+import dataclasses
 import os
 import statistics
 import sys
@@ -24,8 +24,11 @@ import time
 
 import torch
 
-from fileio import replacing, write_json
-from model import GPT, GPTConfig, PRETRAINED, estimate_mfu, flops_per_token
+import precision
+from fileio import UserError, replacing, write_json
+from model import GPT, GPTConfig, PRETRAINED, flops_per_token
+from precision import (activation_bytes_estimate, auto_micro_batch, fmt_bytes, free_memory, is_oom,
+                       optimizer_state_tensors, random_batch, tensor_bytes, train_step)
 
 # -----------------------------------------------------------------------------
 # configurations: the real model on a GPU, small ones on a CPU
@@ -48,79 +51,18 @@ DEFAULT_TOTAL_BATCH = 524288  # 2**19 tokens, GPT-3 small's batch
 
 def device_info(device):
     """(device_type, compute capability or None, device name or None) for a torch device string."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return "cuda", torch.cuda.get_device_capability(dev), torch.cuda.get_device_name(dev)
-    return dev.type, None, None
-
-
-def synchronize(device_type):
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "mps":
-        torch.mps.synchronize()
-
-
-def free_memory(device_type):
-    """Give cached blocks back so that the next measurement starts clean."""
-    gc.collect()
-    if device_type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def is_oom(e):
-    """CUDA out of memory, including cuBLAS failing to allocate its workspace."""
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e) or "ALLOC_FAILED" in str(e)
-
-
-def fmt_bytes(n):
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def float32_matmul(tf32):
-    """TF32 tensor cores for fp32 matmuls (CUDA sm80+); 'highest' is plain fp32."""
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-
-
-def sdpa_context(backends):
-    from train_gpt2 import sdpa_context  # lazily: the trainer imports this module
-    return sdpa_context(backends)
+    cap = precision.capability(device)
+    return torch.device(device).type, cap, torch.cuda.get_device_name(device) if cap else None
 
 
 def where_label(device_type, capability):
     return f"cuda sm{capability[0]}{capability[1]}" if device_type == "cuda" else device_type
 
 
-# -----------------------------------------------------------------------------
-# one training step, the way the trainer takes it (minus data loading and accumulation)
-
-
-def train_step(model, optimizer, scaler, x, y, device_type, dtype):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype != torch.float32):
-        _, loss = model(x, y)
-    if scaler is not None:  # fp16: scale the loss so small gradients survive, unscale before clipping
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return loss
-
-
-def random_batch(micro_batch, seq_len, device, seed=1337):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 50257, (micro_batch, seq_len + 1), generator=g)  # real token ids, never padding rows
-    return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)  # (B, T), (B, T)
+def rung_plan(device, settings):
+    """The precision plan one rung runs under: the device's plan with the rung's dtype, TF32 and kernels."""
+    return dataclasses.replace(precision.make_plan(device), dtype=settings["dtype"], grad_scaler=settings["scaler"],
+                               tf32=settings["tf32"], sdpa_backends=settings["sdpa_backends"])
 
 
 # -----------------------------------------------------------------------------
@@ -187,8 +129,9 @@ def build(settings, size, seq_len, device, device_type):
 
 def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     """Median ms/step of `steps` synchronised steps after `warmup`, and peak memory (CUDA only)."""
-    device_type, _, _ = device_info(device)
-    float32_matmul(settings["tf32"])
+    device_type = torch.device(device).type
+    plan = rung_plan(device, settings)
+    precision.set_tf32(plan.tf32)
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -196,25 +139,23 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
     x, y = random_batch(micro_batch, seq_len, device)
     times = []
-    with sdpa_context(settings["sdpa_backends"]):
-        for i in range(warmup + steps):
-            synchronize(device_type)
-            t0 = time.perf_counter()
-            train_step(model, optimizer, scaler, x, y, device_type, settings["dtype"])
-            synchronize(device_type)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+    for i in range(warmup + steps):
+        precision.synchronize(device)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, scaler, x, y, plan)
+        precision.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     ms = 1000 * statistics.median(times)
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
     fpt = flops_per_token(raw, seq_len)
     return ms, fpt, peak
 
 
-def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
-    """Time every rung cumulatively; returns the rows (dicts) of the table."""
-    from train_gpt2 import precision_plan  # lazily: the trainer imports this module
+def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
+    """Time every rung cumulatively, the rungs chosen by the plan; returns the rows (dicts) of the table."""
+    device = plan.device
     device_type, capability, device_name = device_info(device)
-    plan = precision_plan(device_type, capability)
     settings = dict(BASELINE)
     rows, first, prev = [], None, None
     try:
@@ -236,7 +177,7 @@ def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=
                     settings = trial
                     tok_s = micro_batch * seq_len / (ms / 1000)
                     row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
-                               mfu=estimate_mfu(fpt, tok_s, device_name, settings["dtype"], settings["tf32"]))
+                               mfu=precision.estimate_mfu(fpt, tok_s, device_name, settings["dtype"], settings["tf32"]))
                     first = first or row
                     row["speedup_first"] = tok_s / first["tokens_per_s"]
                     row["speedup_prev"] = tok_s / prev["tokens_per_s"] if prev else 1.0
@@ -246,7 +187,7 @@ def run_ladder(device, size, micro_batch, seq_len, warmup, steps, force_compile=
                 done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
                 print(f"  {name}: {done}", file=sys.stderr)
     finally:
-        float32_matmul(False)
+        precision.set_tf32(False)
         if force_compile or plan.compile:
             torch._dynamo.reset()
     return rows
@@ -274,7 +215,7 @@ def require_matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib, which is not installed: pip install matplotlib") from None
+        raise UserError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     return plt
 
 
@@ -301,27 +242,7 @@ def plot_ladder(rows, out, title):
 # memory: what the tensors hold, what autograd keeps for backward, what the allocator reserves
 
 
-def unwrap(model):
-    """The GPT inside DDP and/or torch.compile wrappers."""
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
-
-
-def tensor_bytes(tensors):
-    """Bytes of distinct storages (a tied weight counts once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None and t.device.type != "meta":
-            s = t.untyped_storage()
-            seen[(t.device, s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
-
-
-def optimizer_state_tensors(optimizer):
-    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-
-
-def saved_activation_bytes(model, x, y, device_type, dtype):
+def saved_activation_bytes(model, x, y, plan):
     """Measure the activations of one forward: bytes of the distinct non-parameter storages autograd
     saves for backward (autocast's weight copies count: they are saved too). Returns (saved, logits)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -333,59 +254,11 @@ def saved_activation_bytes(model, x, y, device_type, dtype):
             saved[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision.autocast(plan):
         logits, loss = model(x, y)
     logits_bytes = logits.untyped_storage().nbytes()
     del logits, loss
     return sum(saved.values()), logits_bytes
-
-
-def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda"):
-    """Arithmetic estimate of what autograd keeps for backward in one forward of our GPT, in bytes,
-    and the logits the forward returns. Per layer it saves, in the autocast dtype (a bytes/element):
-    ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
-    plus the two residual-stream inputs of the layer norms in fp32 (2 BTC) and their mean/rstd;
-    SDPA adds its logsumexp (B, nh, T); the masked softmax instead keeps the (B, nh, T, T) attention
-    and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
-    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps
-    ln_f's input and output, cross-entropy's fp32 log-softmax (B, T, V), the token ids and targets;
-    autocast also keeps a copy of every matmul weight. Checked against saved_activation_bytes."""
-    B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
-    a = 4 if dtype == torch.float32 else 2
-    per_layer = 14 * B * T * C * a + 2 * B * T * C * 4 + 2 * 2 * B * T * 4
-    if config.attn_impl == "sdpa":
-        per_layer += B * nh * T * 4
-    else:
-        per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
-    head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + 2 * B * T * 8 + T * 8 + 4  # + idx, targets, pos
-    weights = 0 if a == 4 else 2 * (L * 12 * C * C + V * C)  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC, lm_head VC
-    return L * per_layer + head + weights, B * T * V * a
-
-
-def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dtype=torch.float32):
-    """One line for the trainer after its first step: parameter, gradient and optimizer-state bytes
-    (from the tensors, so on every device), activations (an estimate when micro_batch and seq_len are
-    given), and on CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
-    device_type = torch.device(device).type
-    params = list(model.parameters())
-    grads = tensor_bytes(p.grad for p in params)
-    if grads == 0:  # freed after the step (zero_grad(set_to_none=True)): what backward allocates again
-        grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
-    parts = [f"params {fmt_bytes(tensor_bytes(params))}",
-             f"grads {fmt_bytes(grads)}",
-             f"optimizer state {fmt_bytes(tensor_bytes(optimizer_state_tensors(optimizer)))}"]
-    if micro_batch and seq_len:
-        act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype, device_type)
-        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len})")
-    if device_type == "cuda":
-        alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} (+{fmt_bytes(reserved - alloc)} cached), "
-                     f"peak allocated {fmt_bytes(torch.cuda.max_memory_allocated(device))}, "
-                     f"peak reserved {fmt_bytes(torch.cuda.max_memory_reserved(device))}")
-    else:
-        parts.append(f"allocator stats n/a on {device_type}")
-    return "memory: " + ", ".join(parts)
 
 
 def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
@@ -395,32 +268,30 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     for tf32 in (False, True):
         _, _, peak = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps, device)
         out[tf32] = peak
-    float32_matmul(False)
+    precision.set_tf32(False)
     return out
 
 
-def memory_report(device, size, micro_batch, seq_len):
-    """The --memory report, as lines of text."""
-    from train_gpt2 import precision_plan
+def memory_report(plan, size, micro_batch, seq_len):
+    """The --memory report under a precision plan, as lines of text."""
+    device = plan.device
     device_type, capability, device_name = device_info(device)
-    plan = precision_plan(device_type, capability)
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
                     sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda")
-    dname = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[plan.dtype]
+    dname = precision.dtype_name(plan.dtype)
     lines = [f"memory of a training step: {size} at {micro_batch}x{seq_len}, {plan.describe()}, vocab 50304, "
              f"on {device_name or device_type}"]
-    float32_matmul(settings["tf32"])
+    precision.set_tf32(settings["tf32"])
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     raw, model, optimizer = build(settings, size, seq_len, device, device_type)
     x, y = random_batch(micro_batch, seq_len, device)
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
-    with sdpa_context(settings["sdpa_backends"]):
-        saved, logits = saved_activation_bytes(raw, x, y, device_type, plan.dtype)
-        for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
-            train_step(model, optimizer, scaler, x, y, device_type, plan.dtype)
-    synchronize(device_type)
+    saved, logits = saved_activation_bytes(raw, x, y, plan)
+    for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
+        train_step(model, optimizer, scaler, x, y, plan)
+    precision.synchronize(device)
     params = list(raw.parameters())
     p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors(optimizer))
     est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
@@ -443,7 +314,7 @@ def memory_report(device, size, micro_batch, seq_len):
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
     config = raw.config
     del raw, model, optimizer, x, y
-    float32_matmul(False)
+    precision.set_tf32(False)
     free_memory(device_type)
     if device_type == "cuda":
         ws = tf32_workspace(size, micro_batch, seq_len, device)
@@ -464,155 +335,15 @@ def memory_report(device, size, micro_batch, seq_len):
 # micro-batch finder
 
 
-def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, max_micro_batch=None,
-                       headroom=0.1, n_timed=3):
-    """Pick the micro-batch for a fixed total_batch_size (tokens per optimizer step).
-
-    usage(b) -> peak memory of a step at micro-batch b as a fraction of the device's memory, or None
-    when it ran out; it must grow with b. measure(b) -> tokens/s. Candidates divide the batch
-    (total_batch_size = b * seq_len * world_size * grad_accum); multiples of 8 are preferred, powers
-    of two are not required. The largest candidate using at most 1 - headroom of memory is found by
-    bisection, it and the next n_timed-1 smaller ones are timed, the fastest wins.
-    Returns (micro_batch, reason). Raises ValueError when no micro-batch can keep the total, or
-    none fits."""
-    per_row = seq_len * world_size
-    if total_batch_size % per_row:
-        raise ValueError(f"total_batch_size {total_batch_size} is not divisible by seq_len x world_size = {per_row}: "
-                         f"no micro-batch keeps it; use a multiple of {per_row}")
-    rows = total_batch_size // per_row  # micro_batch * grad_accum
-    limit = rows if max_micro_batch is None else min(rows, max_micro_batch)
-    divisors = [b for b in range(1, limit + 1) if rows % b == 0]
-    used = {}
-
-    def fits(b):
-        if b not in used:
-            used[b] = usage(b)
-        return used[b] is not None and used[b] <= 1 - headroom
-
-    pool = [b for b in divisors if b % 8 == 0]
-    k = largest_fitting(pool, fits)
-    note = ""
-    if k is None:
-        pool = [b for b in divisors if b % 8]
-        k = largest_fitting(pool, fits)
-        note = "; no multiple of 8 fits"
-    if k is None:
-        raise ValueError(f"no micro-batch fits in {1 - headroom:.0%} of memory at seq_len {seq_len} "
-                         f"(tried {sorted(used)}); shorten seq_len or use a smaller model")
-    timed = pool[max(0, k - n_timed + 1):k + 1]
-    speed = {b: measure(b) for b in reversed(timed)}
-    best = max(speed, key=speed.get)
-    tried = ", ".join(f"{b}: {speed[b]:,.0f} tok/s" for b in sorted(speed, reverse=True))
-    if k + 1 < len(pool):
-        nxt = pool[k + 1]
-        why = f"{nxt} " + ("runs out of memory" if used[nxt] is None else
-                           f"uses {used[nxt]:.0%} of memory, over the {1 - headroom:.0%} limit")
-    else:
-        why = f"{pool[k]} is the largest that divides the batch" + (f" within max {max_micro_batch}" if max_micro_batch else "")
-    reason = (f"micro_batch {best}: fastest of the largest that fit ({tried}); {why}{note}; "
-              f"grad_accum {rows // best} keeps total_batch_size {total_batch_size}")
-    return best, reason
-
-
-def largest_fitting(pool, fits):
-    """Index of the largest b in the ascending pool with fits(b), assuming fits is monotone; or None."""
-    lo, hi, best = 0, len(pool) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(pool[mid]):
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-def probe_steps(model, optimizer, micro_batch, seq_len, device, plan, steps):
-    """Run `steps` training steps on random tokens with the learning rate at 0, so the weights stay
-    as they were; the gradients and the optimizer state it created are dropped afterwards.
-    Returns the median seconds per step."""
-    device_type = torch.device(device).type
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    scaler = torch.amp.GradScaler(device_type) if plan.grad_scaler else None  # fp16: skips steps on inf grads
-    times = []
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0  # AdamW with lr 0: no update and no weight decay
-        x, y = random_batch(micro_batch, seq_len, device)
-        with sdpa_context(plan.sdpa_backends):
-            for _ in range(steps):  # the second step is the steady state: optimizer state alive during backward
-                synchronize(device_type)
-                t0 = time.perf_counter()
-                train_step(model, optimizer, scaler, x, y, device_type, plan.dtype)
-                synchronize(device_type)
-                times.append(time.perf_counter() - t0)
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()
-    return statistics.median(times)
-
-
-def agree(value, op, device):
-    """The same number on every DDP rank: all_reduce with op ('max' or 'min'); unchanged without DDP."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
-    return t.item()
-
-
-def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, device, plan, default,
-                     max_micro_batch=None, headroom=0.1):
-    """micro_batch_size="auto": on CUDA, probe the raw model (before torch.compile and DDP) and its
-    optimizer with OOM-guarded steps at lr 0 (weights untouched, grads and optimizer state freed,
-    cache emptied after every probe) and return search_micro_batch's (micro_batch, reason). Every
-    DDP rank probes the same sizes (peak use is the maximum over ranks, speed the minimum) and the
-    result is the minimum over ranks. On CPU/MPS returns (default, reason) without probing."""
-    device_type = torch.device(device).type
-    if device_type != "cuda":
-        if total_batch_size % (default * seq_len * world_size):
-            raise ValueError(f"total_batch_size {total_batch_size} is not divisible by micro_batch x seq_len x world_size "
-                             f"= {default} x {seq_len} x {world_size}; change one of them")
-        return default, (f"micro_batch_size=auto needs CUDA; on {device_type} using the default micro_batch {default} "
-                         f"(grad_accum {total_batch_size // (default * seq_len * world_size)})")
-    free_memory(device_type)
-    capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
-
-    def usage(b):
-        free_memory(device_type)
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            probe_steps(model, optimizer, b, seq_len, device, plan, steps=2)
-            used = torch.cuda.max_memory_reserved(device) / capacity
-        except RuntimeError as e:
-            if not is_oom(e):
-                raise
-            used = float("inf")
-        free_memory(device_type)  # outside the except: the traceback no longer pins the step's tensors
-        used = agree(used, "max", device)
-        return None if used == float("inf") else used
-
-    def measure(b):
-        s = probe_steps(model, optimizer, b, seq_len, device, plan, steps=4)
-        free_memory(device_type)
-        return agree(b * seq_len / s, "min", device)
-
-    b, reason = search_micro_batch(usage, measure, seq_len, total_batch_size, world_size, max_micro_batch, headroom)
-    agreed = int(agree(b, "min", device))
-    if agreed != b:
-        b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
-    return b, reason
-
-
 # -----------------------------------------------------------------------------
 # command line
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="GPT-2 training speed ladder, memory report and micro-batch finder")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps (default: auto: cuda if available; cpu with --quick)")
+    p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
+                   help="the plan's autocast dtype (auto: bf16 on sm80+, fp16 on sm7x, else fp32)")
     p.add_argument("--model", default=None, choices=sorted(SIZES), help="model size (default: gpt2 on CUDA, small on CPU)")
     p.add_argument("--micro_batch_size", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
@@ -627,11 +358,8 @@ def parse_args(argv):
     p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH, help="tokens per optimizer step (--find_batch)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory to keep free (--find_batch)")
     args = p.parse_args(argv)
-    if args.device is None:
-        args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"))
     device_type = torch.device(args.device).type
-    if device_type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
     mode = "quick" if args.quick else ("cuda" if device_type == "cuda" else "cpu")
     size, b, t, warmup, steps = DEFAULTS[mode]
     for name, default in (("model", size), ("micro_batch_size", b), ("seq_len", t), ("warmup", warmup), ("steps", steps)):
@@ -639,11 +367,11 @@ def parse_args(argv):
             setattr(args, name, default)
     for name in ("micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
-        p.error("--warmup must be at least 0")
+        raise UserError(f"--warmup must be at least 0, got {args.warmup}")
     if not 0 <= args.headroom < 1:
-        p.error("--headroom must be in [0, 1)")
+        raise UserError(f"--headroom must be in [0, 1), got {args.headroom}")
     return args
 
 
@@ -663,35 +391,42 @@ def header(args, steps=True):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args):
     if args.plot:
         require_matplotlib()  # fail before the long run, not after
-    device_type, capability, _ = device_info(args.device)
+    device_type = torch.device(args.device).type
+    plan = precision.make_plan(args.device, args.precision)
     if args.memory:
         print(header(args, steps=False))
-        print("\n".join(memory_report(args.device, args.model, args.micro_batch_size, args.seq_len)))
-        return
+        print("\n".join(memory_report(plan, args.model, args.micro_batch_size, args.seq_len)))
+        return 0
     if args.find_batch:
-        from train_gpt2 import precision_plan
-        plan = precision_plan(device_type, capability)
         settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda")
         raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
-        float32_matmul(plan.tf32)
+        precision.set_tf32(plan.tf32)
         try:
             b, reason = auto_micro_batch(raw, optimizer, args.seq_len, args.total_batch_size, 1, args.device, plan,
                                          default=args.micro_batch_size, headroom=args.headroom)
         except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise UserError(str(e)) from None
         print(f"{header(args, steps=False)}\n{reason}")
-        return
+        return 0
     print(header(args) + "\n")
-    rows = run_ladder(args.device, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
+    rows = run_ladder(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
     print(ladder_table(rows))
     if args.json:
         write_json(args.json, rows)
     if args.plot:
         plot_ladder(rows, args.plot, header(args).split(" | command")[0])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

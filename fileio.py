@@ -7,10 +7,16 @@ disk or Ctrl-C leaves the previous file as it was, never a half-written one unde
     with replacing("out/ckpt_000100.pt") as tmp:
         torch.save(ckpt, tmp)
     write_json("out/config.json", {"n_layer": 12})
+
+UserError is here too, at the bottom of the import graph, so that every module can raise it.
 """
 import json
 import os
 from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """Bad input: every script's main() prints `error: <message>` on one line and exits 2."""
 
 
 @contextmanager

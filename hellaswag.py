@@ -26,14 +26,13 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from fileio import write_json
+import precision
+from fileio import UserError, write_json
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
 from tokenizer import get_encoding
 
@@ -42,7 +41,7 @@ URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_
 SPLITS = ("train", "val", "test")
 
 
-class HellaSwagError(RuntimeError):
+class HellaSwagError(UserError):
     """A one-line message for the user (missing file, malformed row); the CLI prints `error: ...`."""
 
 # -----------------------------------------------------------------------------
@@ -159,15 +158,12 @@ def token_losses(logits, targets):
     return losses.view(targets.shape)
 
 
-def autocast(device, dtype):
-    device_type = torch.device(device).type
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device_type, dtype=dtype)
-
-
 @torch.no_grad()
-def score_one(model, example, device="cpu", dtype=torch.float32):
+def score_one(model, example, plan=None):
     """The reference: one example (4 rows) per forward, full logits, a mask over the ending tokens.
+    plan: precision.make_plan(device, ...), fp32 on the CPU by default.
     Returns (summed losses (4,), mean losses (4,))."""
+    plan = plan or precision.default_plan("cpu")
     rows, starts, _ = rows_of(example, model.config.block_size)
     T = max(len(r) for r in rows)
     tokens = torch.zeros(4, T, dtype=torch.long)
@@ -175,8 +171,8 @@ def score_one(model, example, device="cpu", dtype=torch.float32):
     for i, (row, start) in enumerate(zip(rows, starts)):
         tokens[i, :len(row)] = torch.tensor(row)
         mask[i, start:len(row)] = 1.0
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast(device, dtype):
+    tokens, mask = tokens.to(plan.device), mask.to(plan.device)
+    with precision.autocast(plan):
         logits, _ = model(tokens)  # (4, T, V)
     losses = token_losses(logits[:, :-1], tokens[:, 1:])  # (4, T-1): position t predicts token t+1
     mask = mask[:, 1:]
@@ -275,10 +271,11 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 
 
 @torch.no_grad()
-def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, rank=0, world_size=1, progress=False):
-    """Accuracy of model on examples: this rank scores examples[rank::world_size], batch_size examples
-    per forward, and the counts are summed over ranks with all_reduce. An eager model gets one packed
-    row per example (collate_packed) where ctx + 4 endings fit block_size, else 4 rows (collate).
+def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False):
+    """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
+    this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
+    summed over ranks with all_reduce. An eager model gets one packed row per example (collate_packed)
+    where ctx + 4 endings fit block_size, else 4 rows (collate).
     A compiled model gets 4 rows per example at one fixed (4 * batch_size, T) shape, so it compiles once.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
@@ -299,6 +296,7 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
     was_training = raw.training
     raw.eval()
     results, n_cut, correct, correct_norm = [], 0, 0, 0
+    device = plan.device
     to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     try:
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
@@ -309,7 +307,7 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
             else:
                 idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, shape)
                 pos_ids = attn_mask = seq_id = None
-            with autocast(device, dtype):
+            with precision.autocast(plan):
                 summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt), to(counts),
                                             to(seq_id), to(pos_ids), to(attn_mask))  # (R,), (R,)
             E = len(batch)
@@ -338,22 +336,12 @@ def evaluate(model, examples, *, device, dtype=torch.float32, batch_size=16, ran
 
 def load_model(name_or_path):
     """A GPT-2 name (Hugging Face hub), a save_pretrained directory, or a train_gpt2.py checkpoint."""
-    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt"):
-        if not os.path.isfile(name_or_path):
-            raise HellaSwagError(f"checkpoint {name_or_path} not found")
-        print(f"model: checkpoint {name_or_path}")
-        try:
-            return GPT.from_checkpoint(name_or_path)
-        except Exception as e:  # unpickling, missing keys, wrong shapes: all mean "not our checkpoint"
-            msg = (str(e).splitlines() or [type(e).__name__])[0]
-            raise HellaSwagError(f"{name_or_path} is not a train_gpt2.py checkpoint ({msg})") from None
     if name_or_path in PRETRAINED:
         from huggingface_hub.constants import HF_HUB_CACHE
         print(f"model: {name_or_path} from the Hugging Face hub, cached under {HF_HUB_CACHE}")
-    try:
-        return GPT.from_pretrained(name_or_path)
-    except ValueError as e:
-        raise HellaSwagError(str(e)) from None
+    else:
+        print(f"model: {name_or_path}")
+    return GPT.load(name_or_path)
 
 
 def synthetic_rows(n, seed=0):
@@ -368,21 +356,21 @@ def synthetic_rows(n, seed=0):
              "endings": [sentence(rng.randint(5, 35)) for _ in range(4)]} for i in range(n)]
 
 
-def bench(model, examples, device, dtype, batch_size):
+def bench(model, examples, plan, batch_size):
     """examples/s of evaluate() against the score_one() loop on the same model and rows. The two
     alternate chunk by chunk, so that a machine busy with other work slows both alike."""
     model.eval()
     for ex in examples[:2]:  # warm-up
-        score_one(model, ex, device, dtype)
-    evaluate(model, examples[:batch_size], device=device, dtype=dtype, batch_size=batch_size)
+        score_one(model, ex, plan)
+    evaluate(model, examples[:batch_size], plan=plan, batch_size=batch_size)
     t_loop = t_batch = 0.0
     same = True
     for i in range(0, len(examples), 4 * batch_size):
         chunk = examples[i:i + 4 * batch_size]
         t0 = time.perf_counter()
-        loop = [score_one(model, ex, device, dtype) for ex in chunk]
+        loop = [score_one(model, ex, plan) for ex in chunk]
         t1 = time.perf_counter()
-        res = evaluate(model, chunk, device=device, dtype=dtype, batch_size=batch_size)
+        res = evaluate(model, chunk, plan=plan, batch_size=batch_size)
         t2 = time.perf_counter()
         t_loop, t_batch = t_loop + t1 - t0, t_batch + t2 - t1
         same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
@@ -401,17 +389,17 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="a local jsonl file in the HellaSwag format (works offline)")
     p.add_argument("--data_dir", default=DEFAULT_DIR, help="where the downloaded split is cached")
     p.add_argument("--limit", type=int, default=None, help="only the first N examples")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, mps, cpu (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast dtype")
+    p.add_argument("--device", default="auto", help="auto (default: cuda if available), cpu, cuda, cuda:N, mps")
+    p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
+                   help="autocast dtype; auto = the GPU's plan (bf16 on sm80+, fp16 on sm7x), fp32 on CPU")
     p.add_argument("--batch_size", type=int, default=16, help="examples (4 rows each) per forward pass")
     p.add_argument("--json", default=None, help="write n, acc, acc_norm and per-example predictions here")
     p.add_argument("--bench", action="store_true",
                    help="time batched vs one-example scoring (a tiny random GPT-2 and 200 synthetic rows "
                         "unless --model/--data/--limit are given)")
     args = p.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
     try:
+        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
         if args.limit is not None and args.limit < 1:
             raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
         if args.batch_size < 1:
@@ -432,18 +420,15 @@ def main(argv=None):
             print("model: a tiny random GPT-2 (2 layers, n_embd 64, the tests' size)")
         else:
             model = load_model(args.model or "gpt2")
-        try:
-            model.to(device)
-        except (RuntimeError, AssertionError) as e:  # no such GPU, or a torch built without CUDA
-            raise HellaSwagError(f"--device {device}: {(str(e).splitlines() or ['unavailable'])[0]}") from None
-    except HellaSwagError as e:
+        model.to(plan.device)
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.bench:
-        print(f"benchmark: {len(examples)} examples on {device}, {torch.get_num_threads()} threads, {args.dtype}")
-        return 0 if bench(model, examples, device, dtype, args.batch_size) else 1
+        print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, {plan.describe()}")
+        return 0 if bench(model, examples, plan, args.batch_size) else 1
     t0 = time.time()
-    res = evaluate(model, examples, device=device, dtype=dtype, batch_size=args.batch_size, progress=True)
+    res = evaluate(model, examples, plan=plan, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
     print(f"hellaswag {'file ' + args.data if args.data else args.split}: {res['n']} examples, "
           f"acc {res['acc']:.4f}, acc_norm {res['acc_norm']:.4f} ({res['n'] / dt:.1f} examples/s"

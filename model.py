@@ -3,22 +3,24 @@ The GPT-2 model, in one file.
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig())                       # 124M, random init
-    model = GPT.from_pretrained("gpt2")            # OpenAI weights (hub), or a save_pretrained dir
+    model = GPT.load("gpt2")                       # OpenAI weights (hub), a save_pretrained dir or a ckpt_*.pt
     logits, loss = model(idx, targets)             # idx, targets: (B, T) int64
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
-Also here: the AdamW setup (configure_optimizers), FLOPs per token and MFU against the peak of
-the GPU actually in use. `python model.py` prints the parameter count and FLOPs of each size.
+Also here: the AdamW setup (configure_optimizers) and FLOPs per token (precision.py has the MFU).
+`python model.py` prints the parameter count and FLOPs of each size.
 """
 import inspect
 import math
 import os
-import re
+import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from fileio import UserError
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -207,30 +209,41 @@ class GPT(nn.Module):
     # Hugging Face / OpenAI weights
 
     @classmethod
+    def load(cls, spec, config=None, verbose=True):
+        """The one model loader of every script. spec: "scratch" (a fresh GPT(config)), a GPT-2 name
+        (gpt2 .. gpt2-xl, from the hub on first use), a save_pretrained directory, or one of
+        train_gpt2.py's checkpoints (ckpt_*.pt). Anything else is one UserError line."""
+        if spec == "scratch":
+            return cls(config or GPTConfig())
+        if spec.endswith(".pt") or os.path.isfile(spec):
+            return cls.from_checkpoint(spec)
+        return cls.from_pretrained(spec, verbose=verbose)
+
+    @classmethod
     def from_pretrained(cls, name_or_path, verbose=True):
         """Load OpenAI's GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl; downloaded from the hub on
         first use) or any GPT-2 directory written by transformers' save_pretrained (offline)."""
         from transformers import GPT2LMHeadModel
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
-            raise ValueError(f"init_from={name_or_path!r} is neither a GPT-2 name ({', '.join(PRETRAINED)}) "
-                             "nor a directory written by save_pretrained")
+            raise UserError(f"model {name_or_path!r} is not scratch, a GPT-2 name ({', '.join(PRETRAINED)}), "
+                            "a directory written by save_pretrained or a ckpt_*.pt file")
         if verbose:
             where = "the Hugging Face hub (cached after the first download)" if name_or_path in PRETRAINED else "disk"
             print(f"loading GPT-2 weights {name_or_path!r} from {where}")
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path)
         except OSError as e:  # offline, no cache, or a directory without weights
-            raise ValueError(f"could not load {name_or_path!r}: {str(e).splitlines()[0]} "
+            raise UserError(f"could not load {name_or_path!r}: {str(e).splitlines()[0]} "
                              "(hub names need network on first use; or pass a save_pretrained directory)") from None
         c = hf.config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU is supported")
+            raise UserError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU is supported")
         config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
         model = cls(config)
         sd = model.state_dict()
         sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         if set(sd) != set(sd_hf):
-            raise ValueError(f"{name_or_path!r} does not have GPT-2's layout: unexpected {sorted(set(sd_hf) - set(sd))[:3]}, "
+            raise UserError(f"{name_or_path!r} does not have GPT-2's layout: unexpected {sorted(set(sd_hf) - set(sd))[:3]}, "
                              f"missing {sorted(set(sd) - set(sd_hf))[:3]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
@@ -241,12 +254,17 @@ class GPT(nn.Module):
         return model
 
     @classmethod
-    def from_checkpoint(cls, path, map_location="cpu"):
-        """Load the model from one of train_gpt2.py's checkpoints (ckpt_XXXXXX.pt): its 'model_args'
-        build the GPTConfig and 'model' holds the state_dict (no compile/DDP prefixes)."""
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        model = cls(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])
+    def from_checkpoint(cls, ckpt):
+        """Load the model from one of train_gpt2.py's checkpoints (a ckpt_XXXXXX.pt path, or the dict
+        read_checkpoint() returned): its 'model_args' build the GPTConfig and 'model' holds the
+        state_dict (no compile/DDP prefixes). A wrong shape or key is one UserError line."""
+        path, ckpt = (ckpt, read_checkpoint(ckpt)) if isinstance(ckpt, str) else ("the checkpoint", ckpt)
+        try:
+            model = cls(GPTConfig(**ckpt["model_args"]))
+            model.load_state_dict(ckpt["model"])
+        except (TypeError, RuntimeError, KeyError) as e:
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"{path} does not hold a GPT of ours ({type(e).__name__}: {msg})") from None
         return model
 
     def save_pretrained(self, out_dir):
@@ -270,55 +288,32 @@ class GPT(nn.Module):
         hf.save_pretrained(out_dir)
 
 
+def read_checkpoint(path, map_location="cpu"):
+    """A checkpoint written by train_gpt2.py, as a dict of plain tensors and numbers (weights_only),
+    or one UserError line for a missing, truncated or foreign file."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path!r} not found")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
+        why = "not a torch.save file" if isinstance(e, pickle.UnpicklingError) else \
+            (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another file?)") from None
+    if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
+        raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")
+    return ckpt
+
+
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # -----------------------------------------------------------------------------
-# FLOPs and model FLOPs utilisation (MFU)
+# FLOPs (precision.py turns them into MFU against the GPU's peak)
 
 
 def flops_per_token(model, seq_len):
     """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
     c = model.config
     return 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
-
-
-# Dense peak TFLOP/s from the vendors' datasheets (no sparsity), per operand type of the matmuls:
-# 'fp32' plain FP32 FMA, 'tf32' FP32 matmuls on tensor cores, 'bf16'/'fp16' with FP32 accumulate.
-# Each entry: (regex on torch.cuda.get_device_name(), {dtype: TFLOP/s}). First match wins.
-PEAK_TFLOPS = [
-    (r"H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (r"H100.*(PCIe)", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    (r"H100.*(SXM|HBM3)", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (r"A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    (r"RTX 4090(?! D)", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    (r"RTX 3090(?! Ti)", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
-    (r"V100-SXM", {"fp16": 125.0, "fp32": 15.7}),
-    (r"V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
-    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
-]
-_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def peak_flops(device_name, dtype, tf32=False):
-    """Peak FLOP/s of this GPU for matmuls in dtype (torch dtype or 'bf16'/'fp16'/'fp32'/'tf32'),
-    or None for an unknown device, a CPU (device_name None) or a dtype the chip has no rate for."""
-    if not device_name:
-        return None
-    key = _DTYPE_KEY.get(dtype, dtype)
-    if key == "fp32" and tf32:
-        key = "tf32"
-    for pattern, table in PEAK_TFLOPS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            return table[key] * 1e12 if key in table else None
-    return None
-
-
-def estimate_mfu(flops_per_tok, tokens_per_s, device_name, dtype, tf32=False):
-    """Model FLOPs utilisation in [0, 1], or None where the peak is unknown."""
-    peak = peak_flops(device_name, dtype, tf32)
-    return None if peak is None else flops_per_tok * tokens_per_s / peak
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exact
 import bisect
 import dataclasses
 import difflib
-import functools
 import glob
 import importlib.util
 import json
@@ -32,12 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fileio import replacing, write_json
-from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, estimate_mfu, flops_per_token
-
-
-class UserError(Exception):
-    """Bad input: main() prints `error: <message>` on one line and exits non-zero."""
+import precision
+from fileio import UserError, replacing, write_json
+from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, read_checkpoint
 
 # -----------------------------------------------------------------------------
 # config: typed defaults (build-nanogpt's 124M recipe), config files, --key=value overrides
@@ -80,16 +76,15 @@ class Config:
     checkpoint_interval: int = 5000
     resume: bool = False  # continue from the newest out_dir/ckpt_*.pt
     # system
-    device: str = "auto"
-    precision: str = "auto"  # auto = precision_plan() for this device
+    device: str = "auto"  # auto, cpu, cuda, cuda:N, mps
+    precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
     compile: str = "auto"
     seed: int = 1337
 
 
 CHOICES = {
     "data_source": ("fineweb", "pydoc"),
-    "device": ("auto", "cpu", "cuda", "mps"),
-    "precision": ("auto", "bf16", "fp16", "fp32"),
+    "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -176,91 +171,6 @@ def validate(cfg):
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-
-# -----------------------------------------------------------------------------
-# precision path: chosen from the GPU's compute capability, in exactly one place
-
-
-@dataclass(frozen=True)
-class PrecisionPlan:
-    dtype: torch.dtype  # autocast dtype; torch.float32 means no autocast
-    grad_scaler: bool  # fp16 needs loss scaling
-    tf32: bool  # TF32 tensor cores for fp32 matmuls
-    compile: bool  # torch.compile by default
-    sdpa_backends: tuple  # SDPA kernels allowed, best first ("flash", "efficient", "math"); () = torch decides
-    small_gpu_preset: bool  # sm7x: smaller micro-batch / seq_len, same total batch
-
-    def describe(self):
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
-        return (f"{name} autocast" if self.dtype != torch.float32 else "fp32") + \
-            f", grad scaler {'on' if self.grad_scaler else 'off'}, TF32 {'on' if self.tf32 else 'off'}, " \
-            f"compile {'on' if self.compile else 'off'}, attention {'/'.join(self.sdpa_backends) or 'auto'}"
-
-
-def precision_plan(device_type, capability=None):
-    """The default precision path for a device type ('cuda', 'cpu', 'mps') and, on CUDA, its compute
-    capability (major, minor). Decided from the capability, not torch.cuda.is_bf16_supported(),
-    which says True on a T4 (sm75) where bf16 is only emulated and slow."""
-    if device_type == "cuda":
-        major, _ = capability
-        if major >= 8:  # Ampere, Ada, Hopper, Blackwell: bf16 tensor cores, flash attention
-            return PrecisionPlan(torch.bfloat16, False, True, True, ("flash", "efficient"), False)
-        if major == 7:  # Volta, Turing: fp16 tensor cores only; no flash kernel; Triton runs on sm70+
-            return PrecisionPlan(torch.float16, True, False, True, ("efficient",), True)
-        return PrecisionPlan(torch.float32, False, False, False, (), False)  # Pascal and older
-    return PrecisionPlan(torch.float32, False, False, False, (), False)  # CPU, MPS
-
-
-def resolve_plan(cfg, device_type, capability):
-    """precision_plan() for this device with the user's `precision` and `compile` overrides applied."""
-    plan = precision_plan(device_type, capability)
-    if cfg.precision == "bf16":
-        if device_type == "cuda" and capability[0] < 8:
-            raise UserError(f"precision=bf16 needs an sm80+ GPU (Ampere or newer); this one is sm{capability[0]}{capability[1]}, "
-                            "where bf16 is only emulated: use --precision=fp16 (with loss scaling) or --precision=fp32")
-        plan = dataclasses.replace(plan, dtype=torch.bfloat16, grad_scaler=False)
-    elif cfg.precision == "fp16":  # fp16's narrow exponent range needs loss scaling, wherever it runs
-        plan = dataclasses.replace(plan, dtype=torch.float16, grad_scaler=True)
-    elif cfg.precision == "fp32":
-        plan = dataclasses.replace(plan, dtype=torch.float32, grad_scaler=False)
-    if cfg.compile != "auto":
-        plan = dataclasses.replace(plan, compile=cfg.compile == "true")
-    return plan
-
-
-def precision_name(dtype):
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-
-
-# Turing/Volta (sm7x, 16 GB T4 / V100): 16 x 512 = 8K tokens per micro-step keeps the 124M model's
-# fp16 activations (memory-efficient attention, no flash kernel) near 5 GB, next to ~2 GB of fp32
-# weights, gradients and AdamW state; the total batch stays 524288 tokens through 64 accumulation steps.
-SMALL_GPU_PRESET = {"micro_batch_size": 16, "seq_len": 512}
-
-
-def apply_small_gpu_preset(cfg, given):
-    """Set the preset's keys the user did not set (config file or command line); returns those applied."""
-    applied = {k: v for k, v in SMALL_GPU_PRESET.items() if k not in given}
-    for k, v in applied.items():
-        setattr(cfg, k, v)
-    return applied
-
-
-def sdpa_context(backends):
-    """Restrict SDPA to the named kernels ('flash', 'efficient', 'math'); () lets torch decide."""
-    if not backends:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    return sdpa_kernel([names[b] for b in backends])
-
-
-@contextmanager
-def amp_context(device_type, plan):
-    """Autocast to the plan's dtype (none for fp32) and, on CUDA, the plan's SDPA kernels."""
-    sdpa = sdpa_context(plan.sdpa_backends if device_type == "cuda" else ())
-    with torch.autocast(device_type, dtype=plan.dtype, enabled=plan.dtype != torch.float32), sdpa:
-        yield
 
 # -----------------------------------------------------------------------------
 # data: the uint16 token shards written by fineweb.py, memory-mapped, read as one continuous stream
@@ -364,18 +274,10 @@ def has_shards(data_dir):
 
 
 def build_model(cfg, verbose=True):
-    """The model to train: fresh, OpenAI/Hugging Face weights, or one of our checkpoints."""
-    if cfg.init_from == "scratch":
-        return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
-                             n_head=cfg.n_head, n_embd=cfg.n_embd))
-    if cfg.init_from.endswith(".pt"):
-        if not os.path.isfile(cfg.init_from):
-            raise UserError(f"init_from={cfg.init_from!r}: no such checkpoint file")
-        return GPT.from_checkpoint(cfg.init_from)
-    try:
-        return GPT.from_pretrained(cfg.init_from, verbose=verbose)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    """The model to train: fresh (the config's shape), OpenAI/Hugging Face weights, or one of our checkpoints."""
+    config = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
+                       n_head=cfg.n_head, n_embd=cfg.n_embd)
+    return GPT.load(cfg.init_from, config=config, verbose=verbose)
 
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -406,20 +308,22 @@ def latest_checkpoint(out_dir):
     return max(paths, key=lambda p: int(os.path.basename(p)[5:-3])) if paths else None
 
 
-def rng_state():
+def rng_state(device):
+    """The CPU generator and this process's own GPU generator only: a checkpoint then resumes on a
+    machine with another number of GPUs (each rank restores its own device's state)."""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.device(device).type == "cuda" and torch.is_tensor(state.get("cuda")):
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader):
+def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, device):
     ckpt = {
         "model": raw_model.state_dict(),  # the bare module: no _orig_mod. / module. prefixes
         "model_args": dataclasses.asdict(raw_model.config),
@@ -428,7 +332,7 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader):
         "step": step,  # optimizer steps done
         "config": dataclasses.asdict(cfg),
         "loader": loader.state_dict(),
-        "rng": rng_state(),
+        "rng": rng_state(device),
     }
     with replacing(path) as tmp:  # never a half-written checkpoint under the real name
         torch.save(ckpt, tmp)
@@ -442,7 +346,7 @@ def append_log(path, event):
 # one optimizer step, evaluation, sampling
 
 
-def accumulate_gradients(model, loader, grad_accum, device, amp, scaler, ddp):
+def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp):
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
     DDP all-reduces the gradients only on the last micro-step. Returns the mean loss (tensor)."""
     loss_accum = torch.zeros((), device=device)
@@ -451,7 +355,7 @@ def accumulate_gradients(model, loader, grad_accum, device, amp, scaler, ddp):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = nullcontext() if not ddp or micro_step == grad_accum - 1 else model.no_sync()
         with sync:
-            with amp():
+            with precision.autocast(plan):
                 _, loss = model(x, y)
             loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
             loss_accum += loss.detach().float()
@@ -459,28 +363,35 @@ def accumulate_gradients(model, loader, grad_accum, device, amp, scaler, ddp):
     return loss_accum
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip, lr):
-    """Unscale (fp16), clip, step, update the loss scale. A step whose gradients hold inf/nan is
-    skipped by the scaler. Returns the gradient norm before clipping (a float; inf when skipped)."""
+def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss):
+    """Unscale (fp16), clip, step, update the loss scale. A step whose loss or gradients hold inf/nan
+    is skipped in every precision: the fp16 GradScaler skips it (and lowers its scale), otherwise it is
+    skipped here, so the weights never go non-finite. Returns (loss, gradient norm before clipping,
+    whether the update was applied), read from the GPU in one transfer."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    scaler.step(optimizer)
-    scaler.update()
+    loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # the step's one host sync
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # skips by itself when the (unscaled) gradients hold inf/nan
+        scaler.update()
+    elif finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm.item()
+    return loss, norm, finite
 
 
 @torch.no_grad()
-def evaluate(model, loader, val_steps, device, amp, world_size):
+def evaluate(model, loader, val_steps, device, plan, world_size):
     """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=device)
     for _ in range(val_steps):
         x, y = loader.next_batch()
-        with amp():
+        with precision.autocast(plan):
             _, loss = model(x.to(device), y.to(device))
         total += loss.float()
     if world_size > 1:
@@ -489,7 +400,7 @@ def evaluate(model, loader, val_steps, device, amp, world_size):
     return total.item() / (val_steps * world_size)
 
 
-def sample(raw_model, cfg, device, amp):
+def sample(raw_model, cfg, device, plan):
     """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
     so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
     from tokenizer import get_encoding
@@ -498,7 +409,7 @@ def sample(raw_model, cfg, device, amp):
     idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
     raw_model.eval()
-    with amp():
+    with precision.autocast(plan):
         out = raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
     raw_model.train()
     return [enc.decode(row.tolist()) for row in out]
@@ -529,34 +440,46 @@ def load_hellaswag(cfg, master, ddp, say):
 # setup: device, distributed, batch
 
 
-def resolve_device(name, local_rank):
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device=cuda but this torch ({torch.__version__}) sees no CUDA GPU: use --device=cpu or install a CUDA build")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("device=mps but MPS is not available here: use --device=cpu")
-    return f"cuda:{local_rank}" if name == "cuda" else name
-
-
-def resolve_micro_batch_size(cfg, world_size, raw_model, optimizer, device, plan, say):
-    """THE place the micro-batch is decided, once the model and optimizer exist and before compile/DDP
-    wrap them. micro_batch_size="auto" probes the GPU for the largest fast micro-batch (bench.py); on
-    CPU/MPS it keeps the default. Sets cfg.micro_batch_size and returns the accumulation steps."""
+def resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say):
+    """THE place the micro-batch (and on small GPUs the sequence length) is decided, once the model
+    and optimizer exist and before compile/DDP wrap them. micro_batch_size="auto" probes the GPU for
+    the largest fast micro-batch; on sm7x GPUs (plan.fit_to_memory) the keys the user did not set are
+    fitted to the GPU's memory: the micro-batch shrinks first, seq_len only if even 1 x seq_len does
+    not fit. Sets cfg.micro_batch_size (and cfg.seq_len) and returns the accumulation steps."""
     if cfg.micro_batch_size == "auto":
-        from bench import auto_micro_batch
         try:
-            cfg.micro_batch_size, reason = auto_micro_batch(raw_model, optimizer, cfg.seq_len, cfg.total_batch_size,
-                                                            world_size, device, plan, default=FIELDS["micro_batch_size"].default)
+            cfg.micro_batch_size, reason = precision.auto_micro_batch(
+                raw_model, optimizer, cfg.seq_len, cfg.total_batch_size, world_size, plan.device, plan,
+                default=FIELDS["micro_batch_size"].default)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
         say(reason)
+    elif plan.fit_to_memory and "micro_batch_size" not in given:
+        memory = torch.cuda.get_device_properties(plan.device).total_memory
+        cfg.micro_batch_size, cfg.seq_len, reason = precision.fit_micro_batch(
+            raw_model.config, memory, cfg.seq_len, cfg.total_batch_size, world_size, plan.dtype,
+            shrink_seq="seq_len" not in given)
+        say(f"{reason} (set micro_batch_size/seq_len to choose yourself)")
     tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     if cfg.total_batch_size % tokens:
         raise UserError(f"total_batch_size={cfg.total_batch_size} is not a multiple of micro_batch_size x seq_len x "
                         f"world_size = {cfg.micro_batch_size} x {cfg.seq_len} x {world_size} = {tokens}: "
                         f"e.g. --total_batch_size={max(1, round(cfg.total_batch_size / tokens)) * tokens}")
     return cfg.total_batch_size // tokens
+
+
+def compile_probe(B, T, vocab_size, device, plan):
+    """One forward/backward of the compiled model on a (B, T) batch, so that a compiler failure shows
+    before training starts (precision.compile_model); the gradients it leaves are dropped."""
+    def probe(compiled):
+        x = torch.zeros(B, T, dtype=torch.long, device=device)
+        with precision.autocast(plan):
+            _, loss = compiled(x, x)
+        loss.backward()
+        for p in compiled.parameters():
+            p.grad = None
+    return probe
+
 
 # -----------------------------------------------------------------------------
 # the training loop
@@ -582,8 +505,8 @@ def train(argv, ddp, rank, master):
     cfg, given = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(cfg.device, local_rank)
-    device_type = device.split(":")[0]
+    device = precision.resolve_device(cfg.device, local_rank)
+    device_type = torch.device(device).type
     if ddp:
         if device_type == "mps":
             raise UserError("torchrun on MPS is not supported: run one process, or use --device=cpu")
@@ -591,19 +514,11 @@ def train(argv, ddp, rank, master):
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
 
-    # precision and the sm7x preset, announced in one line
-    capability = torch.cuda.get_device_capability(device) if device_type == "cuda" else None
-    plan = resolve_plan(cfg, device_type, capability)
-    preset = apply_small_gpu_preset(cfg, given) if plan.small_gpu_preset else {}
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
-        name = torch.cuda.get_device_name(device)
-        where = f"{device} ({name}, sm{capability[0]}{capability[1]})"
-    else:
-        name, where = None, device
+    # precision: every hardware decision comes from the plan (precision.py), announced in one line
+    plan = precision.make_plan(device, cfg.precision, cfg.compile)
+    precision.set_tf32(plan.tf32)
+    where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})" if plan.capability else device
     say(f"device {where} x {world_size} | {plan.describe()}")
-    if preset:
-        say(f"sm7x preset (set these keys to override): {', '.join(f'{k}={v}' for k, v in preset.items())}")
 
     # data: there before anything slow (rank 0 builds the quickstart corpus if asked; the others wait)
     if cfg.data_source == "pydoc" and master and not has_shards(cfg.data_dir):
@@ -620,9 +535,8 @@ def train(argv, ddp, rank, master):
         path = latest_checkpoint(cfg.out_dir)
         if path is None:
             raise UserError(f"resume=true but {cfg.out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at the run")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        raw_model = GPT(GPTConfig(**ckpt["model_args"]))
-        raw_model.load_state_dict(ckpt["model"])
+        ckpt = read_checkpoint(path)  # one clear line for a truncated or foreign file
+        raw_model = GPT.from_checkpoint(ckpt)
     else:
         raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
@@ -637,7 +551,7 @@ def train(argv, ddp, rank, master):
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
 
     # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
-    grad_accum = resolve_micro_batch_size(cfg, world_size, raw_model, optimizer, device, plan, say)
+    grad_accum = resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say)
     B, T = cfg.micro_batch_size, cfg.seq_len
     train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
     val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
@@ -648,18 +562,21 @@ def train(argv, ddp, rank, master):
         if ckpt["scaler"] and plan.grad_scaler:
             scaler.load_state_dict(ckpt["scaler"])
         train_loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"], device)
         start_step = ckpt["step"]
         say(f"resuming from {path} at step {start_step}")
         del ckpt
-    model = torch.compile(raw_model) if plan.compile else raw_model  # eval uses this one
+    # compile with static shapes; a compiler that fails costs one warning, and every rank then runs eager
+    model = precision.compile_model(raw_model, plan, compile_probe(B, T, cfg.vocab_size, device, plan), warn=say)
+    if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:
+        model = raw_model
+    plan = dataclasses.replace(plan, compile=model is not raw_model)
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
-    amp = functools.partial(amp_context, device_type, plan)  # amp() gives a fresh context each time
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 
     # the resolved config, the log
-    cfg.device, cfg.precision = device_type, precision_name(plan.dtype)
+    cfg.device, cfg.precision = device_type, precision.dtype_name(plan.dtype)
     cfg.compile = "true" if plan.compile else "false"
     say(json.dumps(dataclasses.asdict(cfg), indent=2))
     tokens_per_step = B * T * world_size * grad_accum
@@ -675,22 +592,22 @@ def train(argv, ddp, rank, master):
         last = step == cfg.max_steps
         fresh = step > start_step or start_step == 0  # a resumed run already did this step's evals
         if fresh and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
-            val_loss = evaluate(model, val_loader, cfg.val_steps, device, amp, world_size)
+            val_loss = evaluate(model, val_loader, cfg.val_steps, device, plan, world_size)
             say(f"step {step:6d} | val loss {val_loss:.4f}")
             if master:
                 append_log(log_path, {"step": step, "val_loss": val_loss})
         if fresh and hs_examples is not None and (step % cfg.hellaswag_interval == 0 or last):
-            res = hellaswag.evaluate(model, hs_examples, device=device, dtype=plan.dtype, rank=rank,
+            res = hellaswag.evaluate(model, hs_examples, plan=plan, rank=rank,
                                      world_size=world_size, progress=master)
             say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             if master:
                 append_log(log_path, {"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
-            for text in sample(raw_model, cfg, device, amp):
+            for text in sample(raw_model, cfg, device, plan):
                 say(f"sample: {text!r}")
         if step > start_step and master and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
             path = checkpoint_path(cfg.out_dir, step)
-            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader)
+            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, device)
             say(f"step {step:6d} | saved {path}")
         if last:
             break
@@ -698,23 +615,19 @@ def train(argv, ddp, rank, master):
         # one optimizer step
         t0 = time.time()
         lr = get_lr(step, cfg)
-        loss = accumulate_gradients(train_model, train_loader, grad_accum, device, amp, scaler, ddp)
+        loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, ddp)
         if ddp:
-            dist.all_reduce(loss)  # SUM, then the mean over ranks, for the log only
+            dist.all_reduce(loss)  # SUM, then the mean over ranks: every rank sees the same loss and skips alike
             loss /= world_size
-        norm = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
-        loss = loss.item()
+        loss, norm, applied = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr, loss)
+        dt = time.time() - t0  # optimizer_step read loss and norm from the GPU: the step is done
         tok_per_s = tokens_per_step / dt
-        mfu = estimate_mfu(flops_tok, tok_per_s / world_size, name, plan.dtype, plan.tf32)
-        skipped = " (skipped: inf/nan gradients)" if not math.isfinite(norm) else ""
+        mfu = precision.estimate_mfu(flops_tok, tok_per_s / world_size, plan.device_name, plan.dtype, plan.tf32)
+        skipped = "" if applied and math.isfinite(norm) else " (skipped: inf/nan loss or gradients)"
         say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
             f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
         if step == start_step and master:
-            from bench import memory_summary
-            say(memory_summary(raw_model, optimizer, device, micro_batch=B, seq_len=T, dtype=plan.dtype))
+            say(precision.memory_summary(raw_model, optimizer, device, micro_batch=B, seq_len=T, dtype=plan.dtype))
         if master:
             append_log(log_path, {"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
                                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s})

@@ -2,6 +2,7 @@
 and speed functions, checked against brute force), the CPU side of the probing, and the memory accounting."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 import bench
+import precision
+from fileio import UserError
 from model import GPT, GPTConfig
-from train_gpt2 import precision_plan
+from precision import default_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW"]
@@ -45,12 +48,13 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
 
 
 @pytest.mark.parametrize("cap,skipped,autocast,sdpa", [
-    ((9, 0), set(), "+autocast bf16", "+SDPA flash/efficient"),
-    ((7, 5), {"+TF32"}, "+autocast fp16+GradScaler", "+SDPA efficient"),
+    ((9, 0), set(), "+autocast bf16", "+SDPA cudnn/flash/efficient/math"),
+    ((8, 6), set(), "+autocast bf16", "+SDPA flash/efficient/math"),
+    ((7, 5), {"+TF32"}, "+autocast fp16+GradScaler", "+SDPA efficient/math"),
     ((6, 1), {"+TF32", "+autocast", "+torch.compile"}, "+autocast", "+SDPA (torch's choice)"),
 ])
 def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
-    rungs = bench.ladder_rungs(precision_plan("cuda", cap), "cuda", cap)
+    rungs = bench.ladder_rungs(default_plan("cuda:0", cap), "cuda", cap)
     names = [r[0] for r in rungs]
     assert names[2] == autocast and names[4] == sdpa
     assert {name for name, _, reason, _ in rungs if reason} == skipped
@@ -63,25 +67,26 @@ def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
 
 
 def test_compile_can_be_forced_on_cpu():
-    plan = precision_plan("cpu", None)
+    plan = default_plan("cpu")
     assert bench.ladder_rungs(plan, "cpu")[3][2] is not None
     assert bench.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
 
 
 def test_bad_options_exit_with_one_line(capsys):
-    for argv in (["--quick", "--steps", "0"], ["--quick", "--headroom", "1.5"]):
-        with pytest.raises(SystemExit) as e:
-            bench.parse_args(argv)
-        assert e.value.code == 2 and "error: --" in capsys.readouterr().err
+    cases = [(["--quick", "--steps", "0"], "--steps must be at least 1"),
+             (["--quick", "--headroom", "1.5"], "--headroom must be in [0, 1)"),
+             (["--quick", "--device", "tpu"], "device 'tpu' is not one of")]
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--device", "cuda"])
-        assert "CUDA is not available" in capsys.readouterr().err
+        cases.append((["--device", "cuda"], "sees no CUDA GPU"))
+    for argv, message in cases:
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with pytest.raises(SystemExit, match="pip install matplotlib"):
+    with pytest.raises(UserError, match="pip install matplotlib"):
         bench.require_matplotlib()
 
 
@@ -114,7 +119,7 @@ def linear_usage(limit, headroom=0.1):
 def test_search_matches_brute_force(limit, seq_len, total, world, speed):
     calls = []
     usage = linear_usage(limit)
-    b, reason = bench.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
+    b, reason = precision.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
     assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
     accum = total // (b * seq_len * world)
     assert b * seq_len * world * accum == total
@@ -123,38 +128,38 @@ def test_search_matches_brute_force(limit, seq_len, total, world, speed):
 
 
 def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
-    b, reason = bench.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
+    b, reason = precision.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
     assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
     assert "grad_accum 10" in reason and "80 runs out of memory" in reason
 
 
 def test_search_falls_back_below_8_and_says_so():
-    b, reason = bench.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
+    b, reason = precision.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
     assert b == 4 and "no multiple of 8 fits" in reason
 
 
 def test_search_keeps_headroom():
     usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
     speed = lambda b: float(b)  # noqa: E731
-    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
-    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
-    assert bench.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
+    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
+    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
+    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
 
 
 def test_search_treats_oom_as_not_fitting():
-    b, reason = bench.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
+    b, reason = precision.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
     assert b == 16 and "32 runs out of memory" in reason
 
 
 def test_search_respects_max_micro_batch():
-    assert bench.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
+    assert precision.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
 
 
 def test_search_refuses_what_cannot_divide_or_fit():
     with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
-        bench.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
+        precision.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
     with pytest.raises(ValueError, match="no micro-batch fits"):
-        bench.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
+        precision.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
 
 
 # -----------------------------------------------------------------------------
@@ -169,23 +174,23 @@ def tiny_model_and_optimizer(vocab=256):
 
 def test_auto_micro_batch_falls_back_on_cpu():
     model, opt = tiny_model_and_optimizer()
-    b, reason = bench.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", precision_plan("cpu"), default=16)
+    b, reason = precision.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
     assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason
     with pytest.raises(ValueError, match="not divisible"):
-        bench.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", precision_plan("cpu"), default=12)
+        precision.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
     model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lrs = [g["lr"] for g in opt.param_groups]
-    seconds = bench.probe_steps(model, opt, 2, 16, "cpu", precision_plan("cpu"), steps=2)
+    seconds = precision.probe_steps(model, opt, 2, 16, "cpu", default_plan("cpu"), steps=2)
     assert seconds > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
     assert [g["lr"] for g in opt.param_groups] == lrs
-    bench.train_step(model, opt, None, *bench.random_batch(2, 16, "cpu"), "cpu", torch.float32)
+    precision.train_step(model, opt, None, *precision.random_batch(2, 16, "cpu"), default_plan("cpu"))
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
 
 
@@ -200,25 +205,25 @@ def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
     config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
     model = GPT(config)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
-    saved, logits = bench.saved_activation_bytes(model, x, y, "cpu", dtype)
-    assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+    saved, logits = bench.saved_activation_bytes(model, x, y, precision.make_plan("cpu", precision.dtype_name(dtype)))
+    assert (saved, logits) == precision.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
     model, opt = tiny_model_and_optimizer(vocab=50257)
-    bench.train_step(model, opt, None, *bench.random_batch(2, 16, "cpu"), "cpu", torch.float32)
-    line = bench.memory_summary(model, opt, "cpu", micro_batch=2, seq_len=16)
+    precision.train_step(model, opt, None, *precision.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    line = precision.memory_summary(model, opt, "cpu", micro_batch=2, seq_len=16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
-    assert f"params {bench.fmt_bytes(4 * n)}" in line and f"grads {bench.fmt_bytes(4 * n)}" in line
+    assert f"params {precision.fmt_bytes(4 * n)}" in line and f"grads {precision.fmt_bytes(4 * n)}" in line
     state = 2 * 4 * n + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
-    assert f"optimizer state {bench.fmt_bytes(state)}" in line
+    assert f"optimizer state {precision.fmt_bytes(state)}" in line
     assert "activations ~" in line and "n/a on cpu" in line
     assert "\n" not in line
 
 
 def test_memory_report_on_cpu_separates_every_part():
-    lines = bench.memory_report("cpu", "tiny", 2, 16)
+    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16)
     text = "\n".join(lines)
     for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "allocator", "TF32 off vs on"):
         assert part in text
@@ -228,14 +233,37 @@ def test_memory_report_on_cpu_separates_every_part():
 
 def test_fmt_bytes():
     values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
-    assert [bench.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+    assert [precision.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+
+
+def _agree_worker(rank, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mine = [3.0, 5.0][rank]  # the ranks hold different values
+        got = [precision.agree(mine, "max", "cpu"), precision.agree(mine, "min", "cpu"),
+               precision.agree([float("inf"), 1.0][rank], "min", "cpu")]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_agree_all_reduces_under_torch_distributed(tmp_path):
-    import torch.distributed as dist
-    assert bench.agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    """Two gloo processes holding 3 and 5: max is 5 and min 3 on both (one process could not tell MAX from MIN)."""
+    assert precision.agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_agree_worker, args=(r, str(tmp_path / "pg"), str(tmp_path))) for r in range(2)]
     try:
-        assert bench.agree(3.5, "max", "cpu") == 3.5 and bench.agree(float("inf"), "min", "cpu") == float("inf")
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        assert [p.exitcode for p in procs] == [0, 0]
     finally:
-        dist.destroy_process_group()
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    for r in range(2):
+        assert json.load(open(tmp_path / f"rank{r}.json")) == [5.0, 3.0, 1.0]

@@ -14,8 +14,12 @@ import torch.multiprocessing as mp
 import hellaswag
 from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, packable,
                        rows_of, score_one)
+from fileio import UserError
 from model import GPT, GPTConfig
+from precision import make_plan
 from tokenizer import get_encoding
+
+CPU = make_plan("cpu")
 
 WORDS = ("man woman dog ball kitchen knife water slowly quickly jumps runs paints wall car road tree "
          "rope bike window table chair sings plays guitar piano holds lifts throws catches").split()
@@ -92,7 +96,7 @@ def test_batched_equals_loop_and_hf(hf_dir, model, examples):
     assert torch.allclose(b_mean.view(9, 4), ref_mean, atol=1e-4)
     # predictions through evaluate, batches that do not divide 9, sorted by length
     for bs in (1, 5):
-        res = evaluate(model, examples, device="cpu", batch_size=bs)
+        res = evaluate(model, examples, plan=CPU, batch_size=bs)
         assert [r["index"] for r in res["examples"]] == list(range(9))
         assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
         assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
@@ -126,7 +130,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
     monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
-    res = evaluate(model, examples, device="cpu", batch_size=4)
+    res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [4, 4, 1] and res["truncated"] == 0
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
     assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
@@ -140,7 +144,7 @@ def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
     assert not any(rows_of(ex, 128)[2] for ex in examples)
     calls = []
     monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
-    res = evaluate(model, examples, device="cpu", batch_size=4)
+    res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [2] and res["truncated"] == 0 and res["n"] == 5
     loop = [score_one(model, ex) for ex in examples]
     assert [r["pred"] for r in res["examples"]] == [s.argmin().item() for s, _ in loop]
@@ -163,7 +167,7 @@ def test_long_rows_are_cut_from_the_left(hf_dir, model, tmp_path):
     rows = make_rows(2, seed=5, ctx_words=(150, 200)) + make_rows(1, seed=6)  # 2 exceed block_size 128
     examples = load_examples(data_file=write_rows(tmp_path / "long.jsonl", rows))
     ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
-    res = evaluate(model, examples, device="cpu", batch_size=2)
+    res = evaluate(model, examples, plan=CPU, batch_size=2)
     assert res["truncated"] == 2
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
     assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
@@ -241,12 +245,12 @@ def test_compiled_model_compiles_once_and_mode_is_restored(model, examples):
     model.train()
     compiled(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))  # a "training" step
     n_train = len(graphs)
-    ref = evaluate(model, examples, device="cpu", batch_size=4)
+    ref = evaluate(model, examples, plan=CPU, batch_size=4)
     model.train()
-    first = evaluate(compiled, examples, device="cpu", batch_size=4)  # 4 batches, the last one short
+    first = evaluate(compiled, examples, plan=CPU, batch_size=4)  # 4 batches, the last one short
     assert model.training
     n_eval = len(graphs) - n_train
-    again = evaluate(compiled, examples[:7], device="cpu", batch_size=4)
+    again = evaluate(compiled, examples[:7], plan=CPU, batch_size=4)
     model.eval()
     # one graph at one fixed shape (16 rows, T a multiple of 8) for every batch, short or not, and call
     assert n_eval == 1 and len(graphs) == n_train + 1
@@ -258,8 +262,8 @@ def test_compiled_model_compiles_once_and_mode_is_restored(model, examples):
 
 
 def test_bf16_autocast_runs_and_mostly_agrees(model, examples):
-    ref = evaluate(model, examples, device="cpu")
-    res = evaluate(model, examples, device="cpu", dtype=torch.bfloat16)
+    ref = evaluate(model, examples, plan=CPU)
+    res = evaluate(model, examples, plan=make_plan("cpu", "bf16"))
     assert res["n"] == 9
     same = sum(a["pred"] == b["pred"] for a, b in zip(ref["examples"], res["examples"]))
     assert same >= 7  # bf16 rounding may flip near-ties of a random model, not most predictions
@@ -273,7 +277,7 @@ def _worker(rank, world_size, ckpt, examples, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         model = GPT.from_checkpoint(ckpt)
-        res = evaluate(model, examples, device="cpu", batch_size=2, rank=rank, world_size=world_size)
+        res = evaluate(model, examples, plan=CPU, batch_size=2, rank=rank, world_size=world_size)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
@@ -284,7 +288,7 @@ def test_two_process_gloo_equals_one_process(model, examples, tmp_path):
     ckpt = save_ckpt(tmp_path / "ckpt.pt", model)
     mp.spawn(_worker, args=(2, ckpt, examples, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    single = evaluate(model, examples, device="cpu", batch_size=2)
+    single = evaluate(model, examples, plan=CPU, batch_size=2)
     for r in ranks:
         assert (r["n"], r["acc"], r["acc_norm"]) == (single["n"], single["acc"], single["acc_norm"])
     assert sorted(ranks[0]["examples"] + ranks[1]["examples"], key=lambda e: e["index"]) == single["examples"]
@@ -333,7 +337,7 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir, capsys):
         load_examples(data_file=str(binary))
     not_ckpt = tmp_path / "ckpt_bad.pt"
     not_ckpt.write_text("not a checkpoint")
-    with pytest.raises(HellaSwagError, match="not a train_gpt2.py checkpoint"):
+    with pytest.raises(UserError, match="ckpt_bad.pt is not a readable train_gpt2.py checkpoint"):
         hellaswag.load_model(str(not_ckpt))
 
 

@@ -1,83 +1,292 @@
+"""precision.py: the plan per GPU generation, user overrides, the arch check, the one autocast context,
+static-shape compile with an eager fallback, and the sm7x micro-batch fit."""
+import dataclasses
+
 import pytest
 import torch
 
-from train_gpt2 import (SMALL_GPU_PRESET, Config, UserError, amp_context, apply_small_gpu_preset, parse_args,
-                        precision_plan, resolve_plan)
+import precision
+from fileio import UserError
+from model import GPT, GPTConfig, PRETRAINED
+from precision import (arch_supported, autocast, compile_model, default_plan, estimate_mfu, fit_micro_batch,
+                       make_plan, param_count, peak_flops)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize("cap,dtype,scaler,tf32,compile_", [
-    ((9, 0), torch.bfloat16, False, True, True),  # H100
-    ((8, 6), torch.bfloat16, False, True, True),  # A10 / RTX 3090
-    ((7, 5), torch.float16, True, False, True),  # T4: is_bf16_supported() says True, we must not trust it
-    ((7, 0), torch.float16, True, False, True),  # V100
-    ((6, 1), torch.float32, False, False, False),  # P40 / GTX 1080
+@pytest.mark.parametrize("cap,dtype,scaler,tf32,compile_,attention,fit", [
+    ((10, 0), BF16, False, True, True, ("cudnn", "flash", "efficient", "math"), False),  # B200
+    ((9, 0), BF16, False, True, True, ("cudnn", "flash", "efficient", "math"), False),  # H100: cuDNN leads
+    ((8, 9), BF16, False, True, True, ("flash", "efficient", "math"), False),  # L4 / RTX 4090
+    ((8, 6), BF16, False, True, True, ("flash", "efficient", "math"), False),  # A10 / RTX 3090
+    ((8, 0), BF16, False, True, True, ("flash", "efficient", "math"), False),  # A100
+    ((7, 5), FP16, True, False, True, ("efficient", "math"), True),  # T4: is_bf16_supported() says True; not trusted
+    ((7, 0), FP16, True, False, True, ("efficient", "math"), True),  # V100
+    ((6, 1), FP32, False, False, False, (), False),  # P40 / GTX 1080: fp16 at 1/64 rate
+    ((6, 0), FP16, True, False, False, ("efficient", "math"), False),  # P100: fp16 at 2x the fp32 rate
 ])
-def test_cuda_plans(cap, dtype, scaler, tf32, compile_):
-    plan = precision_plan("cuda", cap)
+def test_cuda_plans(cap, dtype, scaler, tf32, compile_, attention, fit):
+    plan = default_plan("cuda:0", cap)
     assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile) == (dtype, scaler, tf32, compile_)
-    assert plan.small_gpu_preset == (cap[0] == 7)
-    assert ("flash" in plan.sdpa_backends) == (cap[0] >= 8)
+    assert plan.sdpa_backends == attention and plan.fit_to_memory == fit
+    assert not plan.sdpa_backends or plan.sdpa_backends[-1] == "math"  # never "No available kernel"
 
 
-def test_cpu_plan():
-    plan = precision_plan("cpu", None)
-    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile) == (torch.float32, False, False, False)
-
-
-def test_mps_plan_needs_no_scaler():
-    plan = precision_plan("mps", None)
-    assert (plan.dtype, plan.grad_scaler, plan.compile) == (torch.float32, False, False)
+@pytest.mark.parametrize("device", ["cpu", "mps"])
+def test_cpu_and_mps_plans_are_plain_fp32(device):
+    plan = default_plan(device)
+    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile, plan.sdpa_backends) == (FP32, False, False, False, ())
 
 # -----------------------------------------------------------------------------
-# user overrides on top of the plan (train_gpt2.resolve_plan), the sm7x preset, autocast
+# user overrides on top of the plan
 
 
+def fake_gpu(monkeypatch, cap, name="NVIDIA Test GPU"):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
-@pytest.mark.parametrize("device,cap,precision,dtype,scaler", [
-    ("cuda", (9, 0), "auto", torch.bfloat16, False),
-    ("cuda", (9, 0), "fp16", torch.float16, True),  # fp16 override: always with a GradScaler
-    ("cuda", (8, 0), "fp32", torch.float32, False),
-    ("cuda", (7, 5), "auto", torch.float16, True),
-    ("cuda", (7, 5), "fp32", torch.float32, False),
-    ("cuda", (6, 1), "fp16", torch.float16, True),
-    ("cpu", None, "fp16", torch.float16, True),
-    ("cpu", None, "bf16", torch.bfloat16, False),
+
+@pytest.mark.parametrize("device,cap,prec,dtype,scaler", [
+    ("cuda:0", (9, 0), "auto", BF16, False),
+    ("cuda:0", (9, 0), "fp16", FP16, True),  # fp16 override: always with a GradScaler
+    ("cuda:0", (8, 0), "fp32", FP32, False),
+    ("cuda:0", (7, 5), "auto", FP16, True),
+    ("cuda:0", (7, 5), "fp32", FP32, False),
+    ("cuda:0", (6, 1), "fp16", FP16, True),
+    ("cpu", None, "fp16", FP16, True),
+    ("cpu", None, "bf16", BF16, False),
 ])
-def test_precision_override(device, cap, precision, dtype, scaler):
-    plan = resolve_plan(Config(precision=precision), device, cap)
+def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler):
+    if cap:
+        fake_gpu(monkeypatch, cap)
+    plan = make_plan(device, prec)
     assert (plan.dtype, plan.grad_scaler) == (dtype, scaler)
-    assert plan.tf32 == precision_plan(device, cap).tf32
+    assert plan.tf32 == default_plan(device, cap).tf32 and plan.capability == cap
 
 
-@pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1)])
-def test_bf16_refused_below_sm80(cap):
+@pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1), (6, 0)])
+def test_bf16_refused_below_sm80(monkeypatch, cap):
+    fake_gpu(monkeypatch, cap)
     with pytest.raises(UserError, match=f"bf16 needs an sm80\\+ GPU.*sm{cap[0]}{cap[1]}.*--precision=fp16"):
-        resolve_plan(Config(precision="bf16"), "cuda", cap)
+        make_plan("cuda:0", "bf16")
 
 
-def test_compile_override():
-    assert resolve_plan(Config(compile="false"), "cuda", (9, 0)).compile is False
-    assert resolve_plan(Config(compile="true"), "cpu", None).compile is True
-    assert resolve_plan(Config(compile="auto"), "cuda", (7, 0)).compile is True
+def test_compile_override_and_bad_names(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    assert make_plan("cuda:0", compile="false").compile is False
+    assert make_plan("cpu", compile="true").compile is True
+    assert make_plan("cpu", compile=True).compile is True
+    with pytest.raises(UserError, match="precision must be one of auto, bf16, fp16, fp32; got 'fp8'"):
+        make_plan("cpu", "fp8")
+    for bad in ("gpu", "cuda:x", "cpu:0", "tpu"):
+        with pytest.raises(UserError, match=f"device {bad!r} is not one of"):
+            precision.resolve_device(bad)
 
 
-def test_small_gpu_preset_only_for_unset_keys(tmp_path):
-    cfg, given = parse_args([])
-    assert apply_small_gpu_preset(cfg, given) == SMALL_GPU_PRESET
-    assert (cfg.micro_batch_size, cfg.seq_len) == (SMALL_GPU_PRESET["micro_batch_size"], SMALL_GPU_PRESET["seq_len"])
-    assert cfg.total_batch_size == 524288 and cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
-    cfg, given = parse_args(["--micro_batch_size=4"])
-    assert apply_small_gpu_preset(cfg, given) == {"seq_len": SMALL_GPU_PRESET["seq_len"]}
-    assert cfg.micro_batch_size == 4
-    path = tmp_path / "c.py"
-    path.write_text("micro_batch_size = 32\nseq_len = 1024\n")  # set in a config file: also the user's choice
-    cfg, given = parse_args([str(path)])
-    assert apply_small_gpu_preset(cfg, given) == {} and (cfg.micro_batch_size, cfg.seq_len) == (32, 1024)
+def test_resolve_device_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert precision.resolve_device("auto") == "cpu"
+    with pytest.raises(UserError, match="sees no CUDA GPU: use --device=cpu"):
+        precision.resolve_device("cuda")
+
+# -----------------------------------------------------------------------------
+# the arch check: new wheels dropped Pascal/Volta kernels
 
 
-def test_amp_context_on_cpu():
-    x = torch.randn(4, 8)
-    w = torch.randn(8, 8)
-    for precision, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)]:
-        with amp_context("cpu", resolve_plan(Config(precision=precision), "cpu", None)):
+CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "compute_90"]
+
+
+@pytest.mark.parametrize("cap,arch_list,ok", [
+    ((7, 0), CU128, False),  # V100 on a CUDA 12.8 wheel: no sm70 cubin, and PTX only for sm120
+    ((6, 0), CU128, False),  # P100
+    ((7, 0), CU126, True),
+    ((6, 1), CU126, True),  # sm61 runs the sm60 cubin (same major, lower minor)
+    ((8, 9), CU126, True),  # Ada on the sm86 cubin
+    ((9, 0), CU128, True),
+    ((12, 0), ["sm_80", "sm_90", "compute_90"], True),  # a newer GPU JIT-compiles the PTX
+    ((8, 0), ["sm_90"], False),  # a cubin for a newer minor/major never runs on an older GPU
+    ((7, 5), [], False),  # a CPU build
+])
+def test_arch_supported(cap, arch_list, ok):
+    assert arch_supported(cap, arch_list) is ok
+
+
+def test_arch_check_stops_with_the_fix(monkeypatch):
+    fake_gpu(monkeypatch, (7, 0), "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: CU128)
+    with pytest.raises(UserError) as e:
+        precision.check_arch("cuda:0")
+    msg = str(e.value)
+    assert "Tesla V100-SXM2-16GB (sm70" in msg and precision.CU126_INDEX in msg and "--device=cpu" in msg
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: CU126)
+    precision.check_arch("cuda:0")  # no error
+
+
+def test_resolve_device_runs_the_arch_check(monkeypatch):
+    fake_gpu(monkeypatch, (6, 0), "Tesla P100-PCIE-16GB")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: CU128)
+    with pytest.raises(UserError, match="no kernels for Tesla P100"):
+        precision.resolve_device("auto")
+    with pytest.raises(UserError, match="only 1 CUDA GPU"):
+        precision.resolve_device("cuda:3")
+
+# -----------------------------------------------------------------------------
+# autocast and peak FLOPs
+
+
+def test_autocast_on_cpu():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    for name, dtype in [("fp16", FP16), ("bf16", BF16), ("fp32", FP32)]:
+        with autocast(make_plan("cpu", name)):
             assert (x @ w).dtype == dtype
+
+
+@pytest.mark.parametrize("name,dtype,tf32,tflops", [
+    ("NVIDIA H100 80GB HBM3", BF16, False, 989.4),
+    ("NVIDIA H100 PCIe", BF16, False, 756.0),
+    ("NVIDIA H100 NVL", BF16, False, 835.5),
+    ("NVIDIA H800", BF16, False, 989.4),
+    ("NVIDIA B200", BF16, False, 2250.0),
+    ("NVIDIA L40S", FP32, True, 183.0),
+    ("NVIDIA A40", BF16, False, 149.7),
+    ("NVIDIA RTX A6000", BF16, False, 154.8),
+    ("NVIDIA GeForce RTX 4080", BF16, False, 97.5),
+    ("NVIDIA GeForce RTX 5090", BF16, False, 209.5),
+    ("Tesla P100-PCIE-16GB", FP16, False, 18.7),
+    ("Tesla P100-SXM2-16GB", FP32, False, 10.6),
+    ("Tesla P40", FP32, False, 11.8),
+    ("Tesla T4", FP16, False, 65.0),
+])
+def test_peak_table(name, dtype, tf32, tflops):
+    assert peak_flops(name, dtype, tf32) == pytest.approx(tflops * 1e12)
+
+
+def test_mfu_table():
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_flops("NVIDIA A10", torch.bfloat16) == 125e12
+    assert peak_flops("Tesla T4", torch.float16) == 65e12
+    assert peak_flops("Tesla T4", torch.bfloat16) is None  # no bf16 tensor cores: never a made-up peak
+    assert peak_flops("Tesla V100-SXM2-16GB", torch.float16) == 125e12
+    assert peak_flops("NVIDIA GeForce RTX 4090", "bf16") == 165.2e12
+    assert peak_flops("NVIDIA H200", torch.bfloat16) == 989.4e12
+    assert peak_flops("NVIDIA L40S", torch.bfloat16) == 362.05e12  # its own row, not "L4"
+    assert peak_flops("Some Future GPU", torch.bfloat16) is None
+    assert peak_flops(None, torch.float32) is None  # CPU
+    mfu = estimate_mfu(1e9, 100e3, "NVIDIA A100-SXM4-80GB", torch.bfloat16)
+    assert mfu == pytest.approx(1e9 * 100e3 / 312e12)
+    assert estimate_mfu(1e9, 100e3, None, torch.float32) is None
+
+
+def test_peak_unknown():
+    assert peak_flops("Tesla T4", BF16) is None  # no bf16 tensor cores on sm75
+    assert peak_flops(None, FP32) is None and peak_flops("Some Future GPU", BF16) is None
+
+# -----------------------------------------------------------------------------
+# sm7x: micro-batch first, seq_len only when even one sequence does not fit
+
+
+GB = 1024 ** 3
+GPT2 = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2"])
+GPT2_MEDIUM = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-medium"])
+
+
+def test_param_count_matches_the_model():
+    with torch.device("meta"):
+        for config in (GPT2, GPT2_MEDIUM, GPTConfig(block_size=64, vocab_size=300, n_layer=3, n_head=2, n_embd=16)):
+            assert param_count(config) == GPT(config).num_params(non_embedding=False)
+
+
+def fits(config, b, t, memory, headroom=0.15):
+    return 16 * param_count(config) + sum(precision.activation_bytes_estimate(config, b, t, FP16)) <= (1 - headroom) * memory
+
+
+@pytest.mark.parametrize("gpu,memory,config,expect", [
+    ("T4 16 GB", 15 * GB, GPT2, (16, 1024)),
+    ("RTX 2070 8 GB", 7.8 * GB, GPT2, (4, 1024)),
+    ("V100 32 GB", 31.7 * GB, GPT2, (32, 1024)),
+    ("V100 32 GB, 350M", 31.7 * GB, GPT2_MEDIUM, (16, 1024)),
+    ("RTX 2070 8 GB, 350M", 7.8 * GB, GPT2_MEDIUM, (1, 512)),  # not even 1 x 1024 fits: the sequence halves
+])
+def test_fit_micro_batch(gpu, memory, config, expect):
+    b, t, reason = fit_micro_batch(config, memory, 1024, 524288, 1, FP16)
+    assert (b, t) == expect, gpu
+    assert fits(config, b, t, memory) and not fits(config, 2 * b, t, memory)  # the largest that fits
+    assert 524288 % (b * t) == 0 and f"{b} x {t}" in reason
+    if t < 1024:
+        assert not fits(config, 1, 2 * t, memory) and "seq_len 1024 -> 512" in reason
+
+
+def test_fit_keeps_a_user_seq_len_and_says_when_nothing_fits():
+    with pytest.raises(UserError, match="does not fit in 7.8 GiB at seq_len 1024"):
+        fit_micro_batch(GPT2_MEDIUM, 7.8 * GB, 1024, 524288, 1, FP16, shrink_seq=False)
+    xl = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-xl"])
+    with pytest.raises(UserError, match="1558M-parameter model does not fit in 15.0 GiB"):
+        fit_micro_batch(xl, 15 * GB, 1024, 524288, 1, FP16)
+    b, t, _ = fit_micro_batch(GPT2, 15 * GB, 1024, 524288, 8, FP16)  # 8 ranks: 64 rows per rank per step
+    assert (b, t) == (16, 1024) and 524288 % (b * t * 8) == 0
+
+# -----------------------------------------------------------------------------
+# compile: static shapes, and a failure is a warning, not a dead run
+
+
+class Recorder:
+    """A torch.compile backend that runs the graph eagerly and records whether its inputs had symbolic sizes."""
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(any(isinstance(s, torch.SymInt) for t in example_inputs if torch.is_tensor(t) for s in t.shape)
+                           or any(isinstance(t, torch.SymInt) for t in example_inputs))
+        return gm.forward
+
+
+def shape_sequence(model):
+    """What a run does: train at (4, 16), eval without grad at (4, 16), HellaSwag-like rows at other shapes, train again."""
+    x = torch.randint(0, 64, (4, 16))
+    model(x, x)[1].backward()
+    with torch.no_grad():
+        model(x, x)
+        for b, t in ((8, 24), (16, 10), (8, 24)):
+            model(torch.randint(0, 64, (b, t)))
+    model(x, x)[1].backward()
+
+
+def test_compile_uses_static_shapes():
+    torch._dynamo.reset()
+    plan = dataclasses.replace(make_plan("cpu"), compile=True)
+    raw = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    static = Recorder()
+    shape_sequence(compile_model(raw, plan, backend=static))
+    assert static.graphs and not any(static.graphs)  # no graph ever saw a symbolic size
+    torch._dynamo.reset()
+    dynamic = Recorder()  # the control: torch's default (dynamic=None) turns the graph symbolic on the 2nd shape
+    shape_sequence(torch.compile(raw, backend=dynamic))
+    assert any(dynamic.graphs)
+    torch._dynamo.reset()
+
+
+def test_compile_failure_falls_back_to_eager():
+    torch._dynamo.reset()
+    plan = dataclasses.replace(make_plan("cpu"), compile=True)
+    raw = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("Triton only supports devices of CUDA capability >= 7.5")
+
+    def probe(model):
+        x = torch.zeros(2, 8, dtype=torch.long)
+        model(x, x)[1].backward()
+
+    warnings = []
+    model = compile_model(raw, plan, probe, backend=broken_backend, warn=warnings.append)
+    assert model is raw and len(warnings) == 1
+    assert "torch.compile failed" in warnings[0] and "capability >= 7.5" in warnings[0] and "\n" not in warnings[0]
+    assert compile_model(raw, dataclasses.replace(plan, compile=False), probe) is raw  # off: never compiled
+    torch._dynamo.reset()

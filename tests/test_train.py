@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -15,7 +14,10 @@ import torch
 
 import train_gpt2
 from model import GPT, GPTConfig
+from precision import make_plan
 from train_gpt2 import Config, TokenLoader, accumulate_gradients, get_lr, main, optimizer_step, parse_args
+
+CPU = make_plan("cpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,7 +156,7 @@ def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
     loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
     with pytest.raises(OSError, match="disk full"):
         train_gpt2.save_checkpoint(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 9,
-                                   Config(), loader)
+                                   Config(), loader, "cpu")
     assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
     shutil.copy(good, tmp_path / "ckpt_000004.pt")
     assert train_gpt2.latest_checkpoint(str(tmp_path)) == path  # newest by step; the .tmp is not a candidate
@@ -171,8 +173,8 @@ def tiny_model(seed=0):
 def test_accumulated_gradients_equal_one_big_batch(data_dir):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     small, big = tiny_model(), tiny_model()
-    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, "cpu", nullcontext, scaler, ddp=False)
-    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, "cpu", nullcontext, scaler, ddp=False)
+    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, "cpu", CPU, scaler, ddp=False)
+    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, "cpu", CPU, scaler, ddp=False)
     for (name, p), q in zip(small.named_parameters(), big.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
 
@@ -191,8 +193,8 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    norm = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3)
-    assert norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
+    _, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3, loss=torch.tensor(1.0))
+    assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
 
@@ -204,14 +206,36 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    norm = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3)
-    assert not math.isfinite(norm)
+    _, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))
+    assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert scaler.get_scale() == 32768.0  # backed off
     assert all(p.grad is None for p in model.parameters())
     fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert math.isfinite(optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3))
+    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))[2]
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("prec,where", [("fp32", "grad"), ("bf16", "grad"), ("fp32", "loss")])
+def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
+    """bf16/fp32 have no GradScaler to skip a bad step: optimizer_step must skip it itself."""
+    plan = make_plan("cpu", prec)
+    model = tiny_model()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
+    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, "cpu", plan, scaler, ddp=False)
+    if where == "grad":
+        model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
+    else:
+        loss = loss * float("inf")
+    before = copy.deepcopy(model.state_dict())
+    loss, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)
+    assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
+    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, "cpu", plan, scaler, ddp=False)
+    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)[2]  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -273,7 +297,7 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (["--resume=maybe"], "is not true or false"),
     (["--precision=bf17"], "precision must be one of auto, bf16, fp16, fp32"),
     (["--compile=yes"], "compile must be one of auto, true, false"),
-    (["--device=tpu"], "device must be one of auto, cpu, cuda, mps"),
+    (["--device=tpu"], "device 'tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
     (["--max_steps"], "options are written --key=value"),
     (["configs/nope.py"], "config file 'configs/nope.py' not found"),
     (lambda t: [bad_config(t, "n_layers = 2\n")], "unknown config key 'n_layers'"),
@@ -288,8 +312,9 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [f"--data_dir={t / 'nowhere'}"], "does not exist: make the token shards with `python fineweb.py --out_dir"),
     (lambda t: [f"--data_dir={t}"], "has no train shards (*train*.npy): make the token shards with `python fineweb.py"),
     (["--vocab_size=32", "--n_embd=32"], "token id"),
-    (["--init_from=/no/such/dir"], "neither a GPT-2 name"),
-    (["--init_from=/no/such/ckpt.pt"], "no such checkpoint file"),
+    (["--init_from=/no/such/dir"], "'/no/such/dir' is not scratch, a GPT-2 name"),
+    (["--init_from=/no/such/ckpt.pt"], "checkpoint '/no/such/ckpt.pt' not found"),
+    (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"], "bad.py is not a readable train_gpt2.py checkpoint"),
     (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
 ]
 

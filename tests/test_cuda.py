@@ -1,0 +1,109 @@
+"""The CUDA paths, on a real GPU (skipped without one): every plan this GPU can run trains, compile agrees
+with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, and resume continues the run.
+
+    python -m pytest -q tests/test_cuda.py      # on a machine with an NVIDIA GPU
+"""
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU here", allow_module_level=True)
+
+import hellaswag  # noqa: E402
+import precision  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from test_hellaswag import make_rows, write_rows  # noqa: E402
+from test_train import load_ckpt, step_losses, tiny_args, write_shards  # noqa: E402
+from train_gpt2 import main  # noqa: E402
+
+CAP = torch.cuda.get_device_capability(0)
+SMALL = GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def runnable_plans():
+    """(name, plan) for each plan this GPU runs: its own default, fp16 with the sm7x kernels, fp32."""
+    auto = precision.make_plan("cuda:0")
+    plans = [("auto", auto),
+             ("fp16-sm7x", dataclasses.replace(precision.make_plan("cuda:0", "fp16"), sdpa_backends=("efficient", "math"))),
+             ("fp32", precision.make_plan("cuda:0", "fp32"))]
+    return [(n, dataclasses.replace(p, compile=False)) for n, p in plans]
+
+
+def counting_batch(B, T, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (B, 1), generator=g)
+    seq = (start + torch.arange(T + 1)) % vocab  # (B, T+1): learnable, +1 each position
+    return seq[:, :-1].cuda(), seq[:, 1:].cuda()
+
+
+@pytest.mark.parametrize("name,plan", runnable_plans(), ids=[n for n, _ in runnable_plans()])
+def test_each_plan_trains(name, plan):
+    torch.manual_seed(0)
+    model = GPT(SMALL).cuda()
+    optimizer = model.configure_optimizers(0.0, 3e-3, "cuda", verbose=False)
+    scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
+    precision.set_tf32(plan.tf32)
+    losses = []
+    for step in range(20):
+        x, y = counting_batch(8, 64, seed=step)
+        losses.append(precision.train_step(model, optimizer, scaler, x, y, plan).item())
+    precision.set_tf32(False)
+    assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
+    assert losses[-1] < losses[0] - 1.0, (name, losses)
+
+
+def test_compiled_equals_eager():
+    plan = precision.make_plan("cuda:0")
+    torch.manual_seed(0)
+    model = GPT(SMALL).cuda()
+    x, y = counting_batch(4, 64)
+    with torch.no_grad(), precision.autocast(plan):
+        eager = model(x, y)[1].float()
+    compiled = precision.compile_model(model, dataclasses.replace(plan, compile=True))
+    with torch.no_grad(), precision.autocast(plan):
+        got = compiled(x, y)[1].float()
+    tol = 2e-2 if plan.dtype != torch.float32 else 1e-4
+    assert torch.allclose(eager, got, rtol=tol, atol=tol), (eager.item(), got.item())
+    torch._dynamo.reset()
+
+
+def test_hellaswag_on_gpu_equals_cpu(hf_dir, tmp_path):
+    examples = hellaswag.load_examples(data_file=write_rows(tmp_path / "rows.jsonl", make_rows(24)))
+    model = GPT.load(hf_dir, verbose=False)
+    cpu = hellaswag.evaluate(model, examples, plan=precision.make_plan("cpu"), batch_size=8)
+    gpu = hellaswag.evaluate(model.cuda(), examples, plan=precision.make_plan("cuda:0", "fp32"), batch_size=8)
+    assert [r["pred"] for r in gpu["examples"]] == [r["pred"] for r in cpu["examples"]]
+    assert [r["pred_norm"] for r in gpu["examples"]] == [r["pred_norm"] for r in cpu["examples"]]
+
+
+def test_finder_choice_runs():
+    plan = precision.make_plan("cuda:0")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)).cuda()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)
+    b, reason = precision.auto_micro_batch(model, optimizer, 256, 256 * 64, 1, "cuda:0", plan, default=8,
+                                           max_micro_batch=64)
+    assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
+    x, y = precision.random_batch(b, 256, "cuda:0")
+    scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
+    assert torch.isfinite(precision.train_step(model, optimizer, scaler, x, y, plan))
+
+
+def test_resume_on_gpu_continues_the_run(tmp_path):
+    data = write_shards(str(tmp_path / "data"))
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    args = dict(device="cuda", compile="false")
+    assert main(tiny_args(data, straight, **args)) == 0
+    os.makedirs(resumed)
+    shutil.copy(os.path.join(straight, "ckpt_000004.pt"), resumed)
+    assert main(tiny_args(data, resumed, resume="true", **args)) == 0
+    a, b = step_losses(straight), step_losses(resumed)
+    assert sorted(b) == [4, 5, 6, 7]
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in b)  # GPU kernels may differ in the last bits, not more
+    wa, wb = load_ckpt(os.path.join(straight, "ckpt_000008.pt")), load_ckpt(os.path.join(resumed, "ckpt_000008.pt"))
+    assert all(torch.allclose(wa["model"][k], wb["model"][k], atol=1e-5) for k in wa["model"])
+    assert torch.is_tensor(wa["rng"]["cuda"])  # one GPU generator: resumable with any number of GPUs
