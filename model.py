@@ -8,17 +8,26 @@ The GPT-2 model, in one file.
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
 Also here: the AdamW setup (configure_optimizers), FLOPs per token and MFU against the peak of
-the GPU actually in use. `python model.py` prints the parameter count and FLOPs of each size.
+the GPU actually in use. From the command line:
+
+    python model.py                                  # parameter count and FLOPs of each GPT-2 size
+    python model.py export out/ckpt_019073.pt out/hf # a Hugging Face directory, tokenizer included
+
+The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
+pipeline("text-generation"); the source may also be a save_pretrained directory or a GPT-2 name.
 """
 import inspect
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from fileio import replacing_dir
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -321,9 +330,82 @@ def estimate_mfu(flops_per_tok, tokens_per_s, device_name, dtype, tf32=False):
     return None if peak is None else flops_per_tok * tokens_per_s / peak
 
 
-if __name__ == "__main__":
+# -----------------------------------------------------------------------------
+# loading any model spec, export, command line
+
+
+def load_model(spec, verbose=True):
+    """A train_gpt2.py checkpoint (*.pt), a save_pretrained directory or a GPT-2 name; ValueError
+    with one line otherwise. (To be folded into GPT.load(spec) when that lands.)"""
+    if spec.endswith(".pt") or os.path.isfile(spec):
+        if not os.path.isfile(spec):
+            raise ValueError(f"checkpoint {spec} not found")
+        try:
+            return GPT.from_checkpoint(spec)
+        except Exception as e:  # unpickling, missing keys, wrong shapes: all mean "not our checkpoint"
+            raise ValueError(f"{spec} is not a train_gpt2.py checkpoint ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "model.safetensors")) \
+            and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
+        raise ValueError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
+    return GPT.from_pretrained(spec, verbose=verbose)
+
+
+# what save_pretrained and write_hf_tokenizer put in a directory: an OUT_DIR holding only these is a
+# previous export and may be replaced; anything else (a run's checkpoints, say) is never deleted
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
+                          r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json")
+
+
+def export(src, out_dir):
+    """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
+    beside it and swapped in only when complete."""
+    from tokenizer import write_hf_tokenizer
+    if os.path.exists(out_dir):
+        others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)] if os.path.isdir(out_dir) else [out_dir]
+        if others:
+            raise ValueError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
+                             "choose a new or empty OUT_DIR")
+    model = load_model(src)
+    if model.config.vocab_size < GPT2_VOCAB_SIZE:
+        raise ValueError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
+                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with replacing_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        write_hf_tokenizer(tmp, model_max_length=model.config.block_size)
+    return model
+
+
+def print_sizes():
     for name, kw in PRETRAINED.items():
         with torch.device("meta"):
             m = GPT(GPTConfig(vocab_size=50304, **kw))
         print(f"{name:12s} {m.num_params(non_embedding=False) / 1e6:7.1f}M params, "
               f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")
+
+
+USAGE = "usage: python model.py [sizes] | python model.py export CKPT_OR_HF_DIR_OR_GPT2_NAME OUT_DIR"
+
+
+def main(argv):
+    if argv in ([], ["sizes"]):
+        print_sizes()
+        return 0
+    if len(argv) != 3 or argv[0] != "export":
+        print(USAGE, file=sys.stderr)
+        return 2
+    from tokenizer import TokenizerError
+    try:
+        export(argv[1], argv[2])
+    except (ValueError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # no space, no permission
+        print(f"error: could not write {argv[2]}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {argv[2]}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
