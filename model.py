@@ -343,7 +343,8 @@ def load_model(spec, verbose=True):
         try:
             return GPT.from_checkpoint(spec)
         except Exception as e:  # unpickling, missing keys, wrong shapes: all mean "not our checkpoint"
-            raise ValueError(f"{spec} is not a train_gpt2.py checkpoint ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{spec} is not a train_gpt2.py checkpoint ({msg})") from None
     if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "model.safetensors")) \
             and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
         raise ValueError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
@@ -360,8 +361,10 @@ def export(src, out_dir):
     """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
     beside it and swapped in only when complete."""
     from tokenizer import write_hf_tokenizer
-    if os.path.exists(out_dir):
-        others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)] if os.path.isdir(out_dir) else [out_dir]
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"OUT_DIR {out_dir} is a file: choose a new or empty OUT_DIR")
+    if os.path.isdir(out_dir):
+        others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)]
         if others:
             raise ValueError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
                              "choose a new or empty OUT_DIR")

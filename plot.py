@@ -165,7 +165,8 @@ def missing_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return "plotting needs matplotlib, which is not installed: pip install matplotlib (or pip install -r requirements-dev.txt)"
+        return ("plotting needs matplotlib, which is not installed: "
+                "pip install matplotlib (or pip install -r requirements-dev.txt)")
     return None
 
 # -----------------------------------------------------------------------------
@@ -216,7 +217,8 @@ def main(argv=None):
     for run in runs:
         (_, tr), (_, va), (_, hs) = run["train"], run["val"], run["hellaswag"]
         best = lambda v, f: f"{f(v):.4f}" if v else "-"  # noqa: E731
-        print(f"{run['name']}: {len(tr)} steps logged | min val loss {best(va, min)} | max HellaSwag acc_norm {best(hs, max)}")
+        print(f"{run['name']}: {len(tr)} steps logged | min val loss {best(va, min)} | "
+              f"max HellaSwag acc_norm {best(hs, max)}")
     print(f"wrote {out}")
     return 0
 
