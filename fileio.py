@@ -7,11 +7,15 @@ disk or Ctrl-C leaves the previous file as it was, never a half-written one unde
     with replacing("out/ckpt_000100.pt") as tmp:
         torch.save(ckpt, tmp)
     write_json("out/config.json", {"n_layer": 12})
+    with replacing_dir("out/hf") as tmp:          # a whole directory: built aside, then swapped in
+        model.save_pretrained(tmp)
 
 UserError is here too, at the bottom of the import graph, so that every module can raise it.
 """
 import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 
 
@@ -39,3 +43,28 @@ def write_json(path, obj, indent=1):
     with replacing(path) as tmp:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=indent)
+
+
+@contextmanager
+def replacing_dir(path):
+    """Yields a new empty directory beside path; when the block succeeds its files are fsynced and it
+    takes path's place (an existing path is moved aside first and deleted only after the swap). On an
+    error the new directory is removed and path is untouched."""
+    path = os.path.normpath(path)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path) or ".")
+    try:
+        yield tmp
+        for root, _, names in os.walk(tmp):
+            for name in names:
+                with open(os.path.join(root, name), "rb+") as f:
+                    os.fsync(f.fileno())
+        if os.path.exists(path):
+            old = tmp + "-old"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)

@@ -8,19 +8,27 @@ The GPT-2 model, in one file.
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
 Also here: the AdamW setup (configure_optimizers) and FLOPs per token (precision.py has the MFU).
-`python model.py` prints the parameter count and FLOPs of each size.
+From the command line:
+
+    python model.py                                  # parameter count and FLOPs of each GPT-2 size
+    python model.py export out/ckpt_019073.pt out/hf # a Hugging Face directory, tokenizer included
+
+The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
+pipeline("text-generation"); the source may also be a save_pretrained directory or a GPT-2 name.
 """
 import inspect
 import math
 import os
 import pickle
+import re
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from fileio import UserError
+from fileio import UserError, replacing_dir
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -217,6 +225,9 @@ class GPT(nn.Module):
             return cls(config or GPTConfig())
         if spec.endswith(".pt") or os.path.isfile(spec):
             return cls.from_checkpoint(spec)
+        if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")) \
+                and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
+            raise UserError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
         return cls.from_pretrained(spec, verbose=verbose)
 
     @classmethod
@@ -316,9 +327,68 @@ def flops_per_token(model, seq_len):
     return 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
 
 
-if __name__ == "__main__":
+# -----------------------------------------------------------------------------
+# export and command line
+
+
+# what save_pretrained and write_hf_tokenizer put in a directory: an OUT_DIR holding only these is a
+# previous export and may be replaced; anything else (a run's checkpoints, say) is never deleted
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
+                          r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json")
+
+
+def export(src, out_dir):
+    """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
+    beside it and swapped in only when complete."""
+    from tokenizer import write_hf_tokenizer
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"OUT_DIR {out_dir} is a file: choose a new or empty OUT_DIR")
+    if os.path.isdir(out_dir):
+        others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)]
+        if others:
+            raise UserError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
+                             "choose a new or empty OUT_DIR")
+    model = GPT.load(src)
+    if model.config.vocab_size < GPT2_VOCAB_SIZE:
+        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
+                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with replacing_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        write_hf_tokenizer(tmp, model_max_length=model.config.block_size)
+    return model
+
+
+def print_sizes():
     for name, kw in PRETRAINED.items():
         with torch.device("meta"):
             m = GPT(GPTConfig(vocab_size=50304, **kw))
         print(f"{name:12s} {m.num_params(non_embedding=False) / 1e6:7.1f}M params, "
               f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")
+
+
+USAGE = "usage: python model.py [sizes] | python model.py export CKPT_OR_HF_DIR_OR_GPT2_NAME OUT_DIR"
+
+
+def main(argv):
+    if argv in ([], ["sizes"]):
+        print_sizes()
+        return 0
+    if len(argv) != 3 or argv[0] != "export":
+        print(USAGE, file=sys.stderr)
+        return 2
+    from tokenizer import TokenizerError
+    try:
+        export(argv[1], argv[2])
+    except (UserError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # no space, no permission
+        print(f"error: could not write {argv[2]}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {argv[2]}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -10,12 +10,17 @@ hashes tiktoken itself pins.
     enc = get_encoding()
     enc.encode_ordinary("Hello, I'm a language model,")  # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
+The same verified files, renamed, are what Hugging Face's GPT2Tokenizer reads: write_hf_tokenizer(dir)
+puts vocab.json, merges.txt and the two small configs into a save_pretrained directory (model.py export).
+
 Run `python tokenizer.py` to check the installation.
 """
 import functools
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
 
 import tiktoken
 
@@ -64,6 +69,24 @@ def get_encoding(data_dir=None):
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, VOCAB_BPE_SHA256, ENCODER_JSON_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+
+
+def write_hf_tokenizer(out_dir, model_max_length=1024, data_dir=None):
+    """Write the files transformers' GPT2Tokenizer (and AutoTokenizer, pipeline) load offline:
+    vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe (checked by sha256), plus the
+    tokenizer config. No cleanup of spaces before punctuation: decode(encode(text)) == text, as tiktoken."""
+    vocab_bpe, encoder_json = vocab_files(data_dir)
+    _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
+    _check_sha256(encoder_json, ENCODER_JSON_SHA256)
+    shutil.copyfile(encoder_json, os.path.join(out_dir, "vocab.json"))
+    shutil.copyfile(vocab_bpe, os.path.join(out_dir, "merges.txt"))
+    eot = "<|endoftext|>"
+    special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length, "add_prefix_space": False,
+              "clean_up_tokenization_spaces": False, "errors": "replace", **special}
+    for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
 
 
 def vocab_hashes():

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import plot
 import precision
 from fileio import UserError, replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, read_checkpoint
@@ -591,17 +592,21 @@ def train(argv, ddp, rank, master):
     for step in range(start_step, cfg.max_steps + 1):
         last = step == cfg.max_steps
         fresh = step > start_step or start_step == 0  # a resumed run already did this step's evals
-        if fresh and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
+        do_eval = fresh and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last)
+        do_hellaswag = fresh and hs_examples is not None and (step % cfg.hellaswag_interval == 0 or last)
+        if do_eval:
             val_loss = evaluate(model, val_loader, cfg.val_steps, device, plan, world_size)
             say(f"step {step:6d} | val loss {val_loss:.4f}")
             if master:
                 append_log(log_path, {"step": step, "val_loss": val_loss})
-        if fresh and hs_examples is not None and (step % cfg.hellaswag_interval == 0 or last):
+        if do_hellaswag:
             res = hellaswag.evaluate(model, hs_examples, plan=plan, rank=rank,
                                      world_size=world_size, progress=master)
             say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             if master:
                 append_log(log_path, {"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+        if master and (do_eval or do_hellaswag):
+            plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
             for text in sample(raw_model, cfg, device, plan):
                 say(f"sample: {text!r}")

@@ -1,0 +1,118 @@
+"""
+Text from a GPT-2: one of train_gpt2.py's checkpoints, a save_pretrained directory (model.py export)
+or an OpenAI name (gpt2 .. gpt2-xl, from the Hugging Face hub on first use).
+
+    python sample.py --model out/gpt2_124m/ckpt_019073.pt --prompt "Hello, I'm a language model,"
+    python sample.py --model out/hf --prompt_file prompt.txt --num_samples 3 --max_new_tokens 200
+    python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0     # greedy
+
+Each sample is printed token by token as it is generated, on stdout (status lines go to stderr). A
+sample ends after --max_new_tokens or at <|endoftext|>, as transformers' generate() does. With no
+prompt, samples start from <|endoftext|>, i.e. from the start of a document. The same --seed on the
+same device and precision gives the same text.
+"""
+import argparse
+import codecs
+import sys
+
+import torch
+
+import precision
+from fileio import UserError
+from model import GPT
+from tokenizer import EOT, TokenizerError, get_encoding
+
+# -----------------------------------------------------------------------------
+# sampling
+
+
+def generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, generator, plan):
+    """Yield the new token ids one at a time, <|endoftext|> included (and last) if the model emits it.
+    One GPT.generate step per token with the same generator: the very tokens of one long generate call."""
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=plan.device)  # (1, T)
+    for _ in range(max_new_tokens):
+        with precision.autocast(plan):
+            idx = model.generate(idx, 1, temperature=temperature, top_k=top_k, generator=generator)
+        token = idx[0, -1].item()
+        yield token
+        if token == EOT:
+            return
+
+
+def stream_text(enc, token_ids):
+    """Yield the text of token_ids piece by piece. A character split across tokens (emoji, CJK) is held
+    back until complete, so the pieces join to exactly enc.decode(token_ids)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in token_ids:
+        piece = decoder.decode(enc.decode_single_token_bytes(t))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def read_prompt(args, enc):
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UserError("give --prompt or --prompt_file, not both")
+    text = args.prompt or ""
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    return text, enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
+    p.add_argument("--model", required=True, help="a ckpt_*.pt, a save_pretrained directory, or gpt2 .. gpt2-xl")
+    p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
+    p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
+    p.add_argument("--num_samples", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
+    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
+                   help="autocast dtype; auto = bf16 on sm80+, fp16 on sm7x, else fp32")
+    args = p.parse_args(argv)
+    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731 - status lines stay out of the text
+    try:
+        for key in ("num_samples", "max_new_tokens"):
+            if getattr(args, key) < 1:
+                raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
+        if args.temperature < 0 or args.top_k < 0:
+            raise UserError(f"--temperature and --top_k must not be negative, got {args.temperature} and {args.top_k}")
+        enc = get_encoding()
+        text, prompt_ids = read_prompt(args, enc)
+        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
+        model = GPT.load(args.model, verbose=False)
+        if model.config.vocab_size < enc.n_vocab:
+            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {enc.n_vocab} tokens")
+    except (UserError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model.to(plan.device).eval()
+    say(f"{args.model}: {model.num_params(non_embedding=False):,} parameters on {plan.device}, "
+        f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")
+    generator = torch.Generator(device=plan.device).manual_seed(args.seed)
+    for i in range(args.num_samples):
+        sys.stdout.write(text)
+        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k or None,
+                                 generator, plan)
+        for piece in stream_text(enc, (t for t in tokens if t != EOT)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n" + ("-" * 40 + "\n" if i < args.num_samples - 1 else ""))
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
