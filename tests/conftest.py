@@ -29,3 +29,58 @@ def make_hf_gpt2(path, n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_si
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
     return make_hf_gpt2(str(tmp_path_factory.mktemp("hf_gpt2")))
+
+# -----------------------------------------------------------------------------
+# processes a test starts: bounded in time, killed by process group on every path
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1 (the only address tests may use)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(**extra):
+    """The environment for torchrun on CPU: gloo on the loopback interface only, one thread per rank."""
+    return dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
+
+
+class Launched:
+    """Commands started in their own process groups (torchrun and its workers together), their output in
+    files under log_dir. Use as a context manager: on leaving, every group still alive is SIGKILLed."""
+
+    def __init__(self, cmds, log_dir, env=None, cwd=ROOT):
+        self.cmds, self.log_dir, self.env, self.cwd, self.procs = cmds, str(log_dir), env, cwd, []
+
+    def __enter__(self):
+        import subprocess
+        for i, cmd in enumerate(self.cmds):
+            with open(os.path.join(self.log_dir, f"proc{i}.log"), "w") as out:
+                self.procs.append(subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=out,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+        return self
+
+    def wait(self, timeout):
+        """Exit codes of all, or AssertionError (with the logs' tails) when they outlast timeout seconds."""
+        import subprocess
+        import time
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.logs()}") from None
+
+    def logs(self, tail=3000):
+        return "\n".join(open(os.path.join(self.log_dir, f"proc{i}.log")).read()[-tail:] for i in range(len(self.procs)))
+
+    def __exit__(self, *exc):
+        import signal
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the group: orphaned workers too, even if the launcher is gone
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+        return False

@@ -1,13 +1,11 @@
 """torchrun with 2 CPU processes (gloo) against 1 process with the same global batch: same losses,
 same weights. The 2-rank run accumulates 2 micro-steps per rank, so DDP's no_sync path is used."""
 import os
-import subprocess
 import sys
 
+from conftest import Launched, torchrun_env
 from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_two_ranks_match_one(tmp_path):
@@ -17,12 +15,11 @@ def test_two_ranks_match_one(tmp_path):
     assert main(tiny_args(data, one, **common, val_steps=4)) == 0  # 1 rank x 4 micro-steps of 2 x 16
 
     two = str(tmp_path / "two")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py",
            *tiny_args(data, two, **common, val_steps=2)]  # 2 ranks x 2 micro-steps of 2 x 16; val: 2 batches per rank
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # rank 0 prints alone
+    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=180) == [0], run.logs()
+        assert run.logs().count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # rank 0 prints alone
 
     a, b = step_losses(one), step_losses(two)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
