@@ -147,7 +147,8 @@ def micro_step_bar(grad_accum, master, stream=None):
     """A bar over one optimizer step's micro-steps (call .update() after each) on rank 0's terminal: it
     shows only once the step has run PROGRESS_DELAY seconds (tqdm's delay) and clears itself at the
     end, so fast steps print nothing. Off on other ranks, for a single micro-step, and when stream
-    (stderr) is not a terminal, so log files and pipes never see it."""
+    (stderr) is not a terminal, so log files and pipes never see it. (On a GPU it counts micro-steps
+    queued: the work itself may finish later.)"""
     stream = stream or sys.stderr
     show = master and grad_accum > 1 and stream.isatty()
     return tqdm(total=grad_accum, desc="micro-steps", unit="", file=stream, leave=False, dynamic_ncols=True,
