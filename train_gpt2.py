@@ -5,7 +5,7 @@ Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one 
     python train_gpt2.py configs/gpt2_124m.py                   # build-nanogpt's 124M recipe, one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --out_dir=out/try
-    python train_gpt2.py --help                                  # every config key: type, default, meaning
+    python train_gpt2.py --help                                 # every config key: type, default, meaning
 
 Config files are plain Python assignments (`n_layer = 12`) applied in order to the typed defaults
 of `Config` below; `--key=value` overrides them. The resolved config is printed once and saved as
