@@ -5,6 +5,7 @@ Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one 
     python train_gpt2.py configs/gpt2_124m.py                   # build-nanogpt's 124M recipe, one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --out_dir=out/try
+    python train_gpt2.py --help                                 # every config key: type, default, meaning
 
 Config files are plain Python assignments (`n_layer = 12`) applied in order to the typed defaults
 of `Config` below; `--key=value` overrides them. The resolved config is printed once and saved as
@@ -16,12 +17,17 @@ import dataclasses
 import difflib
 import glob
 import importlib.util
+import inspect
+import io
 import json
 import math
 import os
 import re
+import shutil
 import sys
+import textwrap
 import time
+import tokenize
 import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import logger
 import plot
 import precision
 from fileio import UserError, replacing, write_json
@@ -45,43 +52,46 @@ class Config:
     # data and output
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
     data_source: str = "fineweb"  # "pydoc": if data_dir has no shards, build a tiny corpus from Python's docs
-    out_dir: str = "out"
+    out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
     # model
     init_from: str = "scratch"  # "scratch", a GPT-2 name (gpt2 .. gpt2-xl), a save_pretrained dir or a ckpt_*.pt
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # width of the residual stream
+    block_size: int = 1024  # the longest context the model takes (its position embeddings)
     vocab_size: int = 50304  # 50257 padded to a multiple of 64: faster matmuls
     # batch: total_batch_size tokens per optimizer step, in micro-batches of micro_batch_size x seq_len per rank
     micro_batch_size: int = 64  # or "auto" (CUDA): the largest fast one that fits, see resolve_micro_batch_size()
-    seq_len: int = 1024
+    seq_len: int = 1024  # tokens per row of a micro-batch, at most block_size
     total_batch_size: int = 524288  # 2**19 tokens, ~0.5M as in GPT-3 Small
     # optimization: AdamW, linear warmup then cosine decay to min_lr
     max_steps: int = 19073  # 10B tokens / 524288 tokens per step
     warmup_steps: int = 715  # GPT-3 warms up over 375M tokens
-    max_lr: float = 6e-4
-    min_lr: float = 6e-5
-    weight_decay: float = 0.1
+    max_lr: float = 6e-4  # the learning rate after warmup
+    min_lr: float = 6e-5  # the learning rate at max_steps
+    weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
-    eval_interval: int = 250
+    eval_interval: int = 250  # steps between val loss evaluations
     val_steps: int = 20  # val batches (micro_batch_size x seq_len per rank) from the start of the val split
-    hellaswag_interval: int = 250
+    hellaswag_interval: int = 250  # steps between HellaSwag evaluations
     hellaswag_file: str = ""  # local HellaSwag jsonl; "" = the val split, downloaded once and cached
     hellaswag_limit: int = 0  # evaluate the first N examples only; 0 = all
-    sample_interval: int = 250
-    num_samples: int = 4
-    sample_tokens: int = 32
-    sample_prompt: str = "Hello, I'm a language model,"
-    checkpoint_interval: int = 5000
+    sample_interval: int = 250  # steps between printed samples
+    num_samples: int = 4  # samples printed each time
+    sample_tokens: int = 32  # new tokens per sample
+    sample_prompt: str = "Hello, I'm a language model,"  # the text samples continue
+    checkpoint_interval: int = 5000  # steps between out_dir/ckpt_XXXXXX.pt files
     resume: bool = False  # continue from the newest out_dir/ckpt_*.pt
+    # logging: out_dir/log.jsonl always; TensorBoard and Weights & Biases when asked (logger.py)
+    tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs `pip install tensorboard`)
+    wandb_project: str = ""  # also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline: no network)
+    wandb_run_name: str = ""  # the W&B run's name; "" = wandb picks one
     # system
     device: str = "auto"  # auto, cpu, cuda, cuda:N, mps
     precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
-    compile: str = "auto"
-    seed: int = 1337
-
+    compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true, false
+    seed: int = 1337  # the run's random seed (initial weights, samples)
 
 CHOICES = {
     "data_source": ("fineweb", "pydoc"),
@@ -172,6 +182,46 @@ def validate(cfg):
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # before anything slow
+
+
+def config_sections():
+    """Config's keys as [(section, [names])] and {name: meaning}, read from its source: a comment line
+    opens a section, the comment that ends a field's line says what it means. --help prints these, and
+    tests/test_readme.py holds the README's key list to them."""
+    sections, meaning = [], {}
+    for line in inspect.getsource(Config).splitlines():
+        code = line.strip()
+        if code.startswith("#"):
+            sections.append((code.lstrip("# "), []))
+        elif re.match(r"\w+\s*:", code) and code.split(":")[0].strip() in FIELDS:
+            name = code.split(":")[0].strip()
+            comments = [t.string for t in tokenize.generate_tokens(io.StringIO(code).readline) if t.type == tokenize.COMMENT]
+            sections[-1][1].append(name)
+            meaning[name] = comments[0].lstrip("# ") if comments else ""
+    return sections, meaning
+
+
+def help_text(width=None):
+    """`python train_gpt2.py --help`: every key with its type, default and meaning, by section."""
+    width = width or max(80, shutil.get_terminal_size().columns)
+    sections, meaning = config_sections()
+    lines = ["usage: python train_gpt2.py [CONFIG_FILE ...] [--key=value ...]", "",
+             "Config files (plain Python assignments, see configs/) and --key=value overrides apply in order",
+             "to the defaults below; the resolved config is printed at start-up and saved as out_dir/config.json."]
+    heads = {}
+    for name, f in FIELDS.items():
+        kind = ("|".join(CHOICES[name]) if name in CHOICES else "int|auto" if name == "micro_batch_size"
+                else "true|false" if f.type is bool else f.type.__name__)
+        heads[name] = f"  --{name} {kind}"
+    col = max(map(len, heads.values())) + 2
+    for title, names in sections:
+        lines += ["", title + ":"]
+        for name in names:
+            lines.append(textwrap.fill(f"{meaning[name]} (default: {json.dumps(FIELDS[name].default)})", width,
+                                       initial_indent=heads[name].ljust(col), subsequent_indent=" " * col,
+                                       break_long_words=False, break_on_hyphens=False))
+    return "\n".join(lines)
 
 # -----------------------------------------------------------------------------
 # data: the uint16 token shards written by fineweb.py, memory-mapped, read as one continuous stream
@@ -339,17 +389,14 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, devic
         torch.save(ckpt, tmp)
 
 
-def append_log(path, event):
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
-
 # -----------------------------------------------------------------------------
 # one optimizer step, evaluation, sampling
 
 
-def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp):
+def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp, bar=None):
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
-    DDP all-reduces the gradients only on the last micro-step. Returns the mean loss (tensor)."""
+    DDP all-reduces the gradients only on the last micro-step. Returns the mean loss (tensor).
+    bar (logger.micro_step_bar) is told of each micro-step done."""
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum):
         x, y = loader.next_batch()
@@ -361,6 +408,8 @@ def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp):
             loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
             loss_accum += loss.detach().float()
             scaler.scale(loss).backward()
+        if bar is not None:
+            bar.update()
     return loss_accum
 
 
@@ -490,6 +539,10 @@ def main(argv):
     ddp = "RANK" in os.environ  # launched by torchrun
     rank = int(os.environ.get("RANK", 0))
     master = rank == 0
+    if "-h" in argv or "--help" in argv:
+        if master:
+            print(help_text())
+        return 0
     try:
         return train(argv, ddp, rank, master)
     except UserError as e:
@@ -583,10 +636,12 @@ def train(argv, ddp, rank, master):
     tokens_per_step = B * T * world_size * grad_accum
     say(f"{raw_model.num_params(non_embedding=False):,} parameters | {tokens_per_step:,} tokens per step = "
         f"{B} x {T} x {world_size} rank(s) x {grad_accum} accumulation step(s) | {cfg.max_steps} steps")
-    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+    runlog = None  # rank 0's: log.jsonl, and TensorBoard / W&B when asked (logger.py)
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         write_json(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
+        runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb_project, cfg.wandb_run_name)
+    timer = logger.StepTimer()
     flops_tok = flops_per_token(raw_model, T)
 
     for step in range(start_step, cfg.max_steps + 1):
@@ -598,13 +653,13 @@ def train(argv, ddp, rank, master):
             val_loss = evaluate(model, val_loader, cfg.val_steps, device, plan, world_size)
             say(f"step {step:6d} | val loss {val_loss:.4f}")
             if master:
-                append_log(log_path, {"step": step, "val_loss": val_loss})
+                runlog.write({"step": step, "val_loss": val_loss})
         if do_hellaswag:
             res = hellaswag.evaluate(model, hs_examples, plan=plan, rank=rank,
                                      world_size=world_size, progress=master)
             say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             if master:
-                append_log(log_path, {"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+                runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
         if master and (do_eval or do_hellaswag):
             plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
@@ -620,7 +675,8 @@ def train(argv, ddp, rank, master):
         # one optimizer step
         t0 = time.time()
         lr = get_lr(step, cfg)
-        loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, ddp)
+        with logger.micro_step_bar(grad_accum, master) as bar:  # on a terminal, once a step takes > 5 s
+            loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, ddp, bar)
         if ddp:
             dist.all_reduce(loss)  # SUM, then the mean over ranks: every rank sees the same loss and skips alike
             loss /= world_size
@@ -629,13 +685,17 @@ def train(argv, ddp, rank, master):
         tok_per_s = tokens_per_step / dt
         mfu = precision.estimate_mfu(flops_tok, tok_per_s / world_size, plan.device_name, plan.dtype, plan.tf32)
         skipped = "" if applied and math.isfinite(norm) else " (skipped: inf/nan loss or gradients)"
+        eta = timer.eta(dt, cfg.max_steps - step - 1)
         say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
-            f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
+            f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
+            f"ETA {logger.fmt_duration(eta)}")
         if step == start_step and master:
             say(precision.memory_summary(raw_model, optimizer, device, micro_batch=B, seq_len=T, dtype=plan.dtype))
         if master:
-            append_log(log_path, {"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
-                                  "dt_ms": dt * 1000, "tok_per_s": tok_per_s})
+            runlog.write({"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
+                          "dt_ms": dt * 1000, "tok_per_s": tok_per_s}, mfu=mfu, **logger.memory_stats(device))
+    if master:
+        runlog.close()
     if ddp:
         dist.barrier()  # rank 0 may still be writing the last checkpoint: leave together
     return 0

@@ -1,0 +1,155 @@
+"""
+Where the trainer's numbers go besides the console: out_dir/log.jsonl always, and TensorBoard event
+files and a Weights & Biases run when the config asks for them; also the console's ETA and the
+progress bar of a long step. train_gpt2.py uses it on rank 0 only.
+
+    python train_gpt2.py configs/quickstart.py --tensorboard=true        # then: tensorboard --logdir out
+    WANDB_MODE=offline python train_gpt2.py configs/quickstart.py --wandb_project=gpt2
+    wandb sync out/quickstart/wandb/offline-run-*                        # later, from a machine with network
+
+Neither package is needed unless asked for: each is imported only then, and a missing one stops the
+run at start-up with one line that says how to install it. W&B reads its usual environment
+(WANDB_MODE=offline writes the run under out_dir/wandb/ and needs no network or account; WANDB_API_KEY,
+WANDB_ENTITY, ...).
+"""
+import atexit
+import collections
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from fileio import UserError
+
+# -----------------------------------------------------------------------------
+# the dashboards: optional packages, asked for by config keys
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb_project": "wandb"}  # config key -> the package it needs
+
+
+def check_packages(**asked):
+    """One line, before anything slow, for each dashboard asked for (key=value that is set) whose
+    package is not installed."""
+    for key, value in asked.items():
+        package = PACKAGES[key]
+        if value and importlib.util.find_spec(package) is None:
+            raise UserError(f"{key} needs the {package} package, which is not installed: "
+                            f"`pip install {package}`, or leave {key} unset")
+
+
+def load(key):
+    """The package (module) a dashboard key needs, imported now, or the same one line when it cannot be."""
+    check_packages(**{key: True})
+    try:
+        return importlib.import_module("torch.utils.tensorboard" if key == "tensorboard" else PACKAGES[key])
+    except ImportError as e:
+        raise UserError(f"{key} needs the {PACKAGES[key]} package, which does not import ({e}): "
+                        f"`pip install -U {PACKAGES[key]}`, or leave {key} unset") from None
+
+
+class RunLog:
+    """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and, when
+    asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run (its
+    history, under out_dir/wandb/). write(event, **extra): event is {"step": s, key: value, ...} as
+    log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that log.jsonl
+    keeps its fields."""
+
+    def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name=""):
+        self.path = os.path.join(out_dir, "log.jsonl")
+        tb = load("tensorboard") if tensorboard else None
+        wandb = load("wandb_project") if wandb_project else None
+        self.tb = tb.SummaryWriter(log_dir=out_dir, flush_secs=30) if tb else None
+        self.wandb = None
+        if wandb:
+            try:
+                self.wandb = wandb.init(project=wandb_project, name=wandb_run_name or None, dir=out_dir, config=config)
+            except Exception as e:  # no account, no network, a bad project name: the user's to fix
+                raise UserError(f"wandb_project={wandb_project!r}: wandb.init failed ({type(e).__name__}: {e}); "
+                                "set WANDB_MODE=offline to log without network (then `wandb sync`)") from None
+        atexit.register(self.close)  # flushed on every way out, an exception included
+
+    def write(self, event, **extra):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        scalars = {k: v for k, v in {**event, **extra}.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, event["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=event["step"])
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+            self.tb = None
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def memory_stats(device):
+    """Memory scalars for the dashboards, in MiB: the CUDA allocator's (allocated, reserved, peak
+    allocated), or elsewhere the process's peak resident set."""
+    if torch.device(device).type == "cuda":
+        return {"mem_allocated_mib": torch.cuda.memory_allocated(device) / 2**20,
+                "mem_reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
+                "mem_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+    try:
+        import resource
+    except ImportError:  # Windows
+        return {}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"mem_rss_peak_mib": peak / 2**20 if sys.platform == "darwin" else peak / 2**10}
+
+# -----------------------------------------------------------------------------
+# the console: the run's ETA, and a progress bar inside long steps
+
+PROGRESS_DELAY = 5.0  # seconds: a step shorter than this never shows its micro-step bar
+
+
+class StepTimer:
+    """The run's ETA from the mean time of the last `window` optimizer steps. The first step of each
+    process is left out (compilation, warm-up); evals, HellaSwag and checkpoints are not counted."""
+
+    def __init__(self, window=20):
+        self.times = collections.deque(maxlen=window)
+        self.seen_first = False
+
+    def eta(self, dt, steps_left):
+        """Records a step that took dt seconds; returns the seconds that steps_left more such steps take,
+        or None while there is no step to go by."""
+        if self.seen_first:
+            self.times.append(dt)
+        self.seen_first = True
+        return sum(self.times) / len(self.times) * steps_left if self.times else None
+
+
+def fmt_duration(seconds):
+    """42s, 12m05s, 3h07m, 2d03h; n/a for None."""
+    if seconds is None:
+        return "n/a"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def micro_step_bar(grad_accum, master, stream=None):
+    """A bar over one optimizer step's micro-steps (call .update() after each) on rank 0's terminal: it
+    shows only once the step has run PROGRESS_DELAY seconds (tqdm's delay) and clears itself at the
+    end, so fast steps print nothing. Off on other ranks, for a single micro-step, and when stream
+    (stderr) is not a terminal, so log files and pipes never see it. (On a GPU it counts micro-steps
+    queued: the work itself may finish later.)"""
+    stream = stream or sys.stderr
+    show = master and grad_accum > 1 and stream.isatty()
+    return tqdm(total=grad_accum, desc="micro-steps", unit="", file=stream, leave=False, dynamic_ncols=True,
+                delay=PROGRESS_DELAY, disable=not show)
