@@ -331,6 +331,8 @@ def build_model(cfg, verbose=True):
     return GPT.load(cfg.init_from, config=config, verbose=verbose)
 
 
+PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s of matplotlib), and at the end
+
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 # -----------------------------------------------------------------------------
@@ -644,6 +646,7 @@ def train(argv, ddp, rank, master):
     timer = logger.StepTimer()
     flops_tok = flops_per_token(raw_model, T)
 
+    plotted_at = -math.inf
     for step in range(start_step, cfg.max_steps + 1):
         last = step == cfg.max_steps
         fresh = step > start_step or start_step == 0  # a resumed run already did this step's evals
@@ -660,8 +663,9 @@ def train(argv, ddp, rank, master):
             say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             if master:
                 runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
-        if master and (do_eval or do_hellaswag):
+        if master and (do_eval or do_hellaswag) and (last or time.time() - plotted_at > PLOT_EVERY):
             plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
+            plotted_at = time.time()
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
             for text in sample(raw_model, cfg, device, plan):
                 say(f"sample: {text!r}")
