@@ -23,6 +23,9 @@ import textwrap
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fileio import replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, estimate_mfu, flops_per_token
@@ -321,36 +324,91 @@ def optimizer_state_tensors(optimizer):
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
+class LiveTensors(TorchDispatchMode):
+    """Counts the storages that the ops run under it create (those in `exclude`, the parameters, are
+    not counted), by weak reference: live() is the bytes of those still alive, peak the most that
+    were alive at once, checked after every op. Works on every device, CPU included: it sees tensors,
+    not the allocator (whose peak adds fragmentation and workspaces to this)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.exclude, self.refs, self.peak = set(exclude), {}, 0
+
+    def live(self):
+        self.refs = {k: (ref, n) for k, (ref, n) in self.refs.items() if not ref.expired()}
+        return sum(n for _, n in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = storage_ptrs(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        self.live()  # forget the dead first: a new storage may reuse a freed address
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()  # views and in-place results share an input's storage: not new
+                if s.data_ptr() not in self.exclude | inputs and s.data_ptr() not in self.refs:
+                    self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def storage_ptrs(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
 def saved_activation_bytes(model, x, y, device_type, dtype):
-    """Measure the activations of one forward: bytes of the distinct non-parameter storages autograd
-    saves for backward (autocast's weight copies count: they are saved too). Returns (saved, logits)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Measure the activations of one forward: bytes of the distinct storages autograd saves for
+    backward, parameters and the batch (x, y) left out; autocast's weight copies count (they are
+    saved too), and so does each checkpointed block's input (what activation checkpointing keeps).
+    Returns (saved, logits): logits 0 when the forward returns none (the chunked loss)."""
+    skip = storage_ptrs([*model.parameters(), x, y])
     saved = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
+        if s.data_ptr() not in skip:
             saved[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype != torch.float32):
         logits, loss = model(x, y)
-    logits_bytes = logits.untyped_storage().nbytes()
+    logits_bytes = 0 if logits is None else logits.untyped_storage().nbytes()
     del logits, loss
     return sum(saved.values()), logits_bytes
 
 
+def step_peak_bytes(model, x, y, device_type, dtype):
+    """The most bytes alive at once during one forward + backward, parameters left out: activations,
+    the temporaries of both passes and the gradients. The gradients are freed afterwards."""
+    counter = LiveTensors(exclude=storage_ptrs(model.parameters()))
+    with counter:
+        with torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype != torch.float32):
+            _, loss = model(x, y)
+        loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    return counter.peak
+
+
+def checkpointed_layers(config):
+    """How many blocks run under activation checkpointing (GPT.checkpointed says which)."""
+    return {"none": 0, "blocks": config.n_layer, "every_other": (config.n_layer + 1) // 2}[config.activation_checkpointing]
+
+
 def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda"):
-    """Arithmetic estimate of what autograd keeps for backward in one forward of our GPT, in bytes,
-    and the logits the forward returns. Per layer it saves, in the autocast dtype (a bytes/element):
+    """Arithmetic estimate of what one forward of our GPT leaves alive for backward, in bytes, and the
+    logits it returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
     plus the two residual-stream inputs of the layer norms in fp32 (2 BTC) and their mean/rstd;
     SDPA adds its logsumexp (B, nh, T); the masked softmax instead keeps the (B, nh, T, T) attention
     and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
-    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps
-    ln_f's input and output, cross-entropy's fp32 log-softmax (B, T, V), the token ids and targets;
-    autocast also keeps a copy of every matmul weight. Checked against saved_activation_bytes."""
+    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. A checkpointed
+    layer keeps only its fp32 input (BTC). The head keeps ln_f's input and statistics and the position
+    ids, and then either (loss_impl="full") lm_head's input, cross-entropy's fp32 log-softmax (B, T, V)
+    and the logits it returns, or (chunked) dL/dh (BTC, fp32) and dL/dlm_head (V x C, fp32).
+    Autocast also keeps a copy of every matmul weight of the layers that are not checkpointed (and of
+    lm_head for the full loss). The batch (idx, targets) is the caller's, not counted.
+    Checked against saved_activation_bytes."""
     B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     a = 4 if dtype == torch.float32 else 2
     per_layer = 14 * B * T * C * a + 2 * B * T * C * 4 + 2 * 2 * B * T * 4
@@ -358,9 +416,13 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
         per_layer += B * nh * T * 4
     else:
         per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
-    head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + 2 * B * T * 8 + T * 8 + 4  # + idx, targets, pos
-    weights = 0 if a == 4 else 2 * (L * 12 * C * C + V * C)  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC, lm_head VC
-    return L * per_layer + head + weights, B * T * V * a
+    n_ckpt = checkpointed_layers(config)
+    layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
+    head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
+    full = config.loss_impl == "full"
+    head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4  # + total_weight | dL/dh, dL/dW
+    weights = 0 if a == 4 else 2 * ((L - n_ckpt) * 12 * C * C + (V * C if full else 0))  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC
+    return layers + head + weights, B * T * V * a if full else 0
 
 
 def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dtype=torch.float32):

@@ -195,13 +195,56 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
 
 @pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
                                         ("naive", torch.bfloat16)])
-def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+@pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
+def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
     torch.manual_seed(0)
-    config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
+    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
+                       loss_impl=loss_impl, activation_checkpointing=ckpt)
     model = GPT(config)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, y, "cpu", dtype)
     assert (saved, logits) == bench.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+
+
+def live_after_forward(model, x, y):
+    """Bytes of the storages the forward created that are still alive once it returned (its loss
+    left out): an independent count of what it keeps, by weak reference instead of autograd's hooks."""
+    counter = bench.LiveTensors(exclude=bench.storage_ptrs(model.parameters()))
+    with counter:
+        _, loss = model(x, y)
+    return counter.live() - loss.untyped_storage().nbytes()
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    """What autograd's hooks see is all the forward keeps, checkpointed or not; a checkpointed block
+    keeps its input only, B x T x C fp32."""
+    B, T, C, L = 3, 24, 32, 4
+    kept = {}
+    for mode in ("none", "blocks", "every_other"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C, activation_checkpointing=mode))
+        x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
+        kept[mode] = bench.saved_activation_bytes(model, x, y, "cpu", torch.float32)[0]
+        assert kept[mode] == live_after_forward(model, x, y)
+    plain_layer = 14 * B * T * C * 4 + 2 * B * T * C * 4 + 2 * 2 * B * T * 4 + B * 4 * T * 4  # see the estimate
+    assert kept["none"] - kept["blocks"] == L * (plain_layer - B * T * C * 4)
+    assert kept["none"] - kept["every_other"] == (L // 2) * (plain_layer - B * T * C * 4)
+
+
+def test_chunked_loss_lowers_the_step_peak():
+    """A vocabulary-heavy model: the full loss holds (B*T, V) fp32 tensors at its peak (logits,
+    log-softmax, their gradient); the chunked one holds chunks of them."""
+    B, T, V = 4, 32, 4000
+    peaks = {}
+    for impl in ("full", "chunked"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16, loss_impl=impl))
+        x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+        peaks[impl] = bench.step_peak_bytes(model, x, y, "cpu", torch.float32)
+        assert all(p.grad is None for p in model.parameters())
+    assert peaks["full"] > 3 * B * T * V * 4
+    assert peaks["full"] - peaks["chunked"] > 2 * B * T * V * 4
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
