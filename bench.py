@@ -23,6 +23,7 @@ import textwrap
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -311,9 +312,12 @@ def unwrap(model):
 
 
 def tensor_bytes(tensors):
-    """Bytes of distinct storages (a tied weight counts once)."""
+    """Bytes of distinct storages (a tied weight counts once); of an FSDP-sharded tensor (a DTensor),
+    this rank's shard."""
     seen = {}
     for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
         if t is not None and t.device.type != "meta":
             s = t.untyped_storage()
             seen[(t.device, s.data_ptr())] = s.nbytes()

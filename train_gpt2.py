@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fileio import replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, estimate_mfu, flops_per_token
+from sharding import full_state, load_optimizer_state, shard_model
 
 
 class UserError(Exception):
@@ -84,6 +85,9 @@ class Config:
     precision: str = "auto"  # auto = precision_plan() for this device
     compile: str = "auto"
     seed: int = 1337
+    # memory: for models that do not fit (see bench/README.md for what fits where)
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and AdamW state over the ranks (FSDP2)
+    activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
 
 
 CHOICES = {
@@ -91,6 +95,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda", "mps"),
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "compile": ("auto", "true", "false"),
+    "activation_checkpointing": ("none", "blocks", "every_other"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -419,11 +424,15 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader):
+def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, master=True):
+    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes."""
+    model_state, optimizer_state = full_state(raw_model, optimizer)  # full CPU tensors on rank 0
+    if not master:
+        return
     ckpt = {
-        "model": raw_model.state_dict(),  # the bare module: no _orig_mod. / module. prefixes
+        "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. / module. prefixes
         "model_args": dataclasses.asdict(raw_model.config),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,  # keyed by parameter name, with or without FSDP
         "scaler": scaler.state_dict(),
         "step": step,  # optimizer steps done
         "config": dataclasses.asdict(cfg),
@@ -627,12 +636,21 @@ def train(argv, ddp, rank, master):
         raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
         setattr(cfg, k, getattr(raw_model.config, k))
+    raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
+    if cfg.fsdp and not ddp:
+        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, or drop --fsdp")
+    if cfg.fsdp and (cfg.sample_interval > 0 or cfg.hellaswag_interval > 0):
+        say("note: fsdp=true: in-training sampling and HellaSwag are off (they run outside the sharded forward); "
+            "score a checkpoint with hellaswag.py")
+        cfg.sample_interval = cfg.hellaswag_interval = 0
     if cfg.vocab_size < GPT2_VOCAB_SIZE and (cfg.sample_interval > 0 or cfg.hellaswag_interval > 0):
         say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling and HellaSwag are off")
         cfg.sample_interval = cfg.hellaswag_interval = 0
     if cfg.seq_len > cfg.block_size:
         raise UserError(f"seq_len={cfg.seq_len} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
     raw_model.to(device)
+    if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
+        shard_model(raw_model, plan.dtype, device_type)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device_type, verbose=master)
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
 
@@ -644,7 +662,7 @@ def train(argv, ddp, rank, master):
 
     start_step = 0
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
         if ckpt["scaler"] and plan.grad_scaler:
             scaler.load_state_dict(ckpt["scaler"])
         train_loader.load_state_dict(ckpt["loader"])
@@ -653,7 +671,8 @@ def train(argv, ddp, rank, master):
         say(f"resuming from {path} at step {start_step}")
         del ckpt
     model = torch.compile(raw_model) if plan.compile else raw_model  # eval uses this one
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+    wrap_ddp = ddp and not cfg.fsdp  # FSDP reduce-scatters the gradients itself, after every micro-step
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if wrap_ddp else model
     amp = functools.partial(amp_context, device_type, plan)  # amp() gives a fresh context each time
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
@@ -688,9 +707,9 @@ def train(argv, ddp, rank, master):
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
             for text in sample(raw_model, cfg, device, amp):
                 say(f"sample: {text!r}")
-        if step > start_step and master and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
+        if step > start_step and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
             path = checkpoint_path(cfg.out_dir, step)
-            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader)
+            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, master)
             say(f"step {step:6d} | saved {path}")
         if last:
             break
@@ -698,7 +717,7 @@ def train(argv, ddp, rank, master):
         # one optimizer step
         t0 = time.time()
         lr = get_lr(step, cfg)
-        loss = accumulate_gradients(train_model, train_loader, grad_accum, device, amp, scaler, ddp)
+        loss = accumulate_gradients(train_model, train_loader, grad_accum, device, amp, scaler, wrap_ddp)
         if ddp:
             dist.all_reduce(loss)  # SUM, then the mean over ranks, for the log only
             loss /= world_size
