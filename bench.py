@@ -5,16 +5,19 @@ Speed and memory benchmarks for GPT-2 training steps.
     python bench.py --quick                 # a small config on CPU in well under a minute (the test suite's smoke run)
     python bench.py --json out.json --plot out.png
     python bench.py --memory                # where the memory goes: params, grads, optimizer, activations, allocator
+    python bench.py --memory --activation_checkpointing blocks --world_size 8 --fsdp   # ... in those modes
     python bench.py --find_batch            # the largest fast micro-batch that fits (CUDA)
+    python bench.py --fit                   # what fits where: computed micro-batches per model, GPU and mode
 
 The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast (bf16, or fp16 with
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
--> +fused AdamW. Rungs that cannot apply on the device are printed as skipped, with the reason.
+-> +fused AdamW -> +chunked loss. Rungs that cannot apply on the device are printed as skipped, with the reason.
 
 The trainer uses memory_summary() (one line at the first step) and auto_micro_batch()
 (micro_batch_size="auto"); search_micro_batch() is the pure search they share with --find_batch.
 """
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -131,7 +134,7 @@ def random_batch(micro_batch, seq_len, device, seed=1337):
 # the speed ladder
 
 BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, attn="naive",
-                sdpa_backends=(), vocab=50257, fused=False)
+                sdpa_backends=(), vocab=50257, fused=False, loss="full", ckpt="none")
 
 
 def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None):
@@ -163,6 +166,7 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
         fused_ok = device_type == "cuda" or fused_available(device_type)
     rungs.append(("+fused AdamW", {"fused": True}, None if fused_ok else
                   f"this torch has no fused AdamW kernel for {device_type}", "vs foreach"))
+    rungs.append(("+chunked loss", {"loss": "chunked"}, None, "vs logits + F.cross_entropy"))
     return rungs
 
 
@@ -178,7 +182,8 @@ def fused_available(device_type):
 def build(settings, size, seq_len, device, device_type):
     """A fresh model (same seed every rung) and its optimizer for one rung's settings."""
     torch.manual_seed(1337)
-    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"], **SIZES[size])
+    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
+                       loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], **SIZES[size])
     raw = GPT(config).to(device)
     optimizer = raw.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type=device_type,
                                          fused=settings["fused"], verbose=False)
@@ -399,7 +404,7 @@ def checkpointed_layers(config):
     return {"none": 0, "blocks": config.n_layer, "every_other": (config.n_layer + 1) // 2}[config.activation_checkpointing]
 
 
-def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda"):
+def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False):
     """Arithmetic estimate of what one forward of our GPT leaves alive for backward, in bytes, and the
     logits it returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
@@ -411,8 +416,9 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     ids, and then either (loss_impl="full") lm_head's input, cross-entropy's fp32 log-softmax (B, T, V)
     and the logits it returns, or (chunked) dL/dh (BTC, fp32) and dL/dlm_head (V x C, fp32).
     Autocast also keeps a copy of every matmul weight of the layers that are not checkpointed (and of
-    lm_head for the full loss). The batch (idx, targets) is the caller's, not counted.
-    Checked against saved_activation_bytes."""
+    lm_head for the full loss), except under FSDP on CUDA, where the blocks' weights are gathered in
+    the autocast dtype already and freed after the forward. The batch (idx, targets) is the caller's,
+    not counted. Checked against saved_activation_bytes."""
     B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     a = 4 if dtype == torch.float32 else 2
     per_layer = 14 * B * T * C * a + 2 * B * T * C * 4 + 2 * 2 * B * T * 4
@@ -425,25 +431,95 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
     full = config.loss_impl == "full"
     head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4  # + total_weight | dL/dh, dL/dW
-    weights = 0 if a == 4 else 2 * ((L - n_ckpt) * 12 * C * C + (V * C if full else 0))  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC
+    block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C  # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
+    weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
     return layers + head + weights, B * T * V * a if full else 0
+
+
+def param_counts(config):
+    """(all parameters, those of one block) of a GPT of this shape, the tied embedding once."""
+    C = config.n_embd
+    block = 12 * C * C + 13 * C  # c_attn 3CC+3C, c_proj CC+C, c_fc 4CC+4C, mlp c_proj 4CC+C, two layer norms 4C
+    return config.vocab_size * C + config.block_size * C + config.n_layer * block + 2 * C, block
+
+
+def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", world_size=1,
+                            fsdp=False):
+    """Bytes one rank needs for a training step, by part (a dict), computed from the shapes for the
+    eager model (torch.compile fuses some activations away). Meant to be safe for "does it fit": it
+    counts all the gradients as alive together with all the activations and adds the largest
+    temporary on top, which no single moment of a step holds. Parts: fp32 parameters, gradients
+    and AdamW state (divided by world_size under FSDP); DDP's gradient buckets (a second copy of the
+    gradients, world_size > 1 without FSDP); under FSDP the gathered root (fp32, with its unsharded
+    gradient) and two blocks in the compute dtype (the one running and the one prefetched) plus one
+    block's unsharded gradient; activations and logits (activation_bytes_estimate); the largest
+    temporary: the loss's (full: two (B*T, V) fp32 gradients; chunked: one chunk of fp32 logits and
+    a (V, C) product) or a block's in backward (its recomputed activations when checkpointed, and
+    about 8 x B*T*C fp32 of gradients flowing through it). Gradients and activations do meet from
+    the second micro-step of an accumulating step on. On CPU it lies 7-110% above the measured peak
+    of forward + backward (step_peak_bytes, tests/test_bench.py)."""
+    n, block = param_counts(config)
+    B, T, C, V, L = micro_batch, seq_len, config.n_embd, config.vocab_size, config.n_layer
+    a = 4 if dtype == torch.float32 else 2
+    shard = world_size if fsdp else 1
+    parts = {"parameters": 4 * n // shard, "gradients": 4 * n // shard, "optimizer state": 8 * n // shard,
+             "DDP buckets": 4 * n if world_size > 1 and not fsdp else 0}
+    if fsdp:
+        from sharding import fsdp_param_dtype
+        p = torch.finfo(fsdp_param_dtype(dtype, device_type)).bits // 8
+        parts["FSDP gathered"] = 2 * 4 * (n - L * block) + 3 * p * block
+    parts["activations"], parts["logits"] = activation_bytes_estimate(config, B, T, dtype, device_type, fsdp)
+    if config.loss_impl == "full":
+        head = B * T * V * (8 + (a if a == 2 else 0))
+    else:
+        from model import CE_CHUNK_ROWS
+        cast = a if a == 2 else 0  # the compute-dtype copies next to the fp32 ones
+        head = min(CE_CHUNK_ROWS, B * T) * V * (4 + cast) + V * C * (a + cast) + B * T * C * 4
+    per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1, activation_checkpointing="none"),
+                                          B, T, dtype, device_type)[0] - activation_bytes_estimate(
+        dataclasses.replace(config, n_layer=0, activation_checkpointing="none"), B, T, dtype, device_type)[0]
+    layer = (per_layer if checkpointed_layers(config) else 0) + 8 * B * T * C * 4
+    parts["largest temporary"] = max(head, layer)
+    return parts
+
+
+def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096):
+    """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
+    fits = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp).values()) <= budget  # noqa: E731
+    lo, hi = 0, limit
+    while lo < hi:  # the estimate grows with the micro-batch: bisect
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def is_sharded(model):
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dtype=torch.float32):
     """One line for the trainer after its first step: parameter, gradient and optimizer-state bytes
-    (from the tensors, so on every device), activations (an estimate when micro_batch and seq_len are
-    given), and on CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
+    (from the tensors, so on every device; this rank's shards under FSDP), activations (an estimate
+    for the model's loss and checkpointing modes when micro_batch and seq_len are given), and on
+    CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
     device_type = torch.device(device).type
     params = list(model.parameters())
+    sharded = is_sharded(model)
     grads = tensor_bytes(p.grad for p in params)
     if grads == 0:  # freed after the step (zero_grad(set_to_none=True)): what backward allocates again
-        grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in {id(p): p for p in params if p.requires_grad}.values()]
+        grads = sum(p.numel() * p.element_size() for p in local)
     parts = [f"params {fmt_bytes(tensor_bytes(params))}",
              f"grads {fmt_bytes(grads)}",
              f"optimizer state {fmt_bytes(tensor_bytes(optimizer_state_tensors(optimizer)))}"]
+    if sharded:
+        import torch.distributed as dist
+        parts[0] = f"per rank (FSDP over {dist.get_world_size()}): " + parts[0]
     if micro_batch and seq_len:
-        act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype, device_type)
-        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len})")
+        config = unwrap(model).config
+        act, logits = activation_bytes_estimate(config, micro_batch, seq_len, dtype, device_type, fsdp=sharded)
+        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
+                     f"{config.loss_impl} loss, checkpointing {config.activation_checkpointing})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} (+{fmt_bytes(reserved - alloc)} cached), "
@@ -465,16 +541,17 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     return out
 
 
-def memory_report(device, size, micro_batch, seq_len):
-    """The --memory report, as lines of text."""
+def memory_report(device, size, micro_batch, seq_len, loss="chunked", ckpt="none", world_size=1, fsdp=False):
+    """The --memory report, as lines of text: measured in this process, with the given loss and
+    activation checkpointing modes; then what one rank of world_size (FSDP or DDP) needs, computed."""
     from train_gpt2 import precision_plan
     device_type, capability, device_name = device_info(device)
     plan = precision_plan(device_type, capability)
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
-                    sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda")
+                    sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda", loss=loss, ckpt=ckpt)
     dname = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[plan.dtype]
     lines = [f"memory of a training step: {size} at {micro_batch}x{seq_len}, {plan.describe()}, vocab 50304, "
-             f"on {device_name or device_type}"]
+             f"{loss} loss, activation checkpointing {ckpt}, on {device_name or device_type}"]
     float32_matmul(settings["tf32"])
     free_memory(device_type)
     if device_type == "cuda":
@@ -484,6 +561,7 @@ def memory_report(device, size, micro_batch, seq_len):
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
     with sdpa_context(settings["sdpa_backends"]):
         saved, logits = saved_activation_bytes(raw, x, y, device_type, plan.dtype)
+        peak = step_peak_bytes(raw, x, y, device_type, plan.dtype)
         for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
             train_step(model, optimizer, scaler, x, y, device_type, plan.dtype)
     synchronize(device_type)
@@ -495,7 +573,9 @@ def memory_report(device, size, micro_batch, seq_len):
               f"  optimizer state   {fmt_bytes(o):>10}  (AdamW exp_avg + exp_avg_sq)",
               f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); estimate {fmt_bytes(est)}",
               f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; "
-              f"estimate {fmt_bytes(est_logits)}"]
+              f"estimate {fmt_bytes(est_logits)}",
+              f"  step peak         {fmt_bytes(peak):>10}  measured: most bytes alive at once in forward + backward, "
+              "parameters left out (tensors counted, not the allocator)"]
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         peak_a, peak_r = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
@@ -523,6 +603,44 @@ def memory_report(device, size, micro_batch, seq_len):
         a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
+    how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
+    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp)
+    lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
+                 ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) + f"; total {fmt_bytes(sum(parts.values()))}")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# what fits where, computed
+
+GPUS = [("T4 16 GB", 15.0, torch.float16), ("24 GB", 22.5, torch.bfloat16), ("A100 40 GB", 39.5, torch.bfloat16),
+        ("80 GB", 79.1, torch.bfloat16)]  # (name, GiB CUDA reports as total (A10, L4, 4090: 22.1-23.6), autocast dtype)
+FIT_MODES = [  # (column, world_size, fsdp, loss_impl, activation_checkpointing)
+    ("1 GPU, full loss", 1, False, "full", "none"),
+    ("1 GPU", 1, False, "chunked", "none"),
+    ("1 GPU, ckpt every_other", 1, False, "chunked", "every_other"),
+    ("1 GPU, ckpt blocks", 1, False, "chunked", "blocks"),
+    ("8 GPUs DDP", 8, False, "chunked", "none"),
+    ("8 GPUs DDP, ckpt blocks", 8, False, "chunked", "blocks"),
+    ("8 GPUs FSDP", 8, True, "chunked", "none"),
+    ("8 GPUs FSDP, ckpt blocks", 8, True, "chunked", "blocks"),
+]
+
+
+def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")):
+    """Markdown: the largest micro-batch at seq_len whose training_bytes_estimate stays within
+    1 - headroom of each GPU's memory, for each model size and mode ("-": not even 1)."""
+    lines = ["| model | GPU | " + " | ".join(m[0] for m in FIT_MODES) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in FIT_MODES) + " |"]
+    for size in sizes:
+        for gpu, gib, dtype in GPUS:
+            cells = []
+            for _, world, fsdp, loss, ckpt in FIT_MODES:
+                config = GPTConfig(vocab_size=50304, loss_impl=loss, activation_checkpointing=ckpt, **SIZES[size])
+                b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp)
+                cells.append(str(b) if b else "-")
+            n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
+            lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -629,6 +747,16 @@ def agree(value, op, device):
     return t.item()
 
 
+def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, slack=4):
+    """The finder probes no micro-batch above slack x the largest that training_bytes_estimate fits in
+    budget: the estimate is on the safe side (the measured peak is lower; torch.compile lowers it
+    more), so the probes skip sizes that would only run out of memory. Returns (cap, note)."""
+    est = estimated_micro_batch(config, seq_len, dtype, budget, "cuda", world_size, fsdp)
+    return slack * max(est, 1), (f"the estimate for {config.loss_impl} loss, checkpointing "
+                                 f"{config.activation_checkpointing}{', FSDP' if fsdp else ''} fits {est}; "
+                                 f"probed up to {slack * max(est, 1)}")
+
+
 def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, device, plan, default,
                      max_micro_batch=None, headroom=0.1):
     """micro_batch_size="auto": on CUDA, probe the raw model (before torch.compile and DDP) and its
@@ -645,6 +773,9 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
                          f"(grad_accum {total_batch_size // (default * seq_len * world_size)})")
     free_memory(device_type)
     capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
+    cap, note = micro_batch_cap(unwrap(model).config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
+                                is_sharded(model))
+    max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
     def usage(b):
         free_memory(device_type)
@@ -666,6 +797,7 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
         return agree(b * seq_len / s, "min", device)
 
     b, reason = search_micro_batch(usage, measure, seq_len, total_batch_size, world_size, max_micro_batch, headroom)
+    reason += f" ({note})"
     agreed = int(agree(b, "min", device))
     if agreed != b:
         b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
@@ -689,6 +821,12 @@ def parse_args(argv):
     p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
+    p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"), help="the loss (--memory, --find_batch)")
+    p.add_argument("--activation_checkpointing", default="none", choices=("none", "blocks", "every_other"),
+                   help="recompute blocks in backward (--memory, --find_batch)")
+    p.add_argument("--world_size", type=int, default=1, help="ranks to compute the per-rank memory for (--memory)")
+    p.add_argument("--fsdp", action="store_true", help="the ranks shard the model with FSDP (--memory, computed)")
+    p.add_argument("--fit", action="store_true", help="what fits where: computed micro-batches per model, GPU and mode")
     p.add_argument("--find_batch", action="store_true", help="micro-batch finder instead of the ladder")
     p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH, help="tokens per optimizer step (--find_batch)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory to keep free (--find_batch)")
@@ -698,12 +836,12 @@ def parse_args(argv):
     device_type = torch.device(args.device).type
     if device_type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
-    mode = "quick" if args.quick else ("cuda" if device_type == "cuda" else "cpu")
+    mode = "quick" if args.quick else ("cuda" if device_type == "cuda" or args.fit else "cpu")  # --fit: GPU shapes
     size, b, t, warmup, steps = DEFAULTS[mode]
     for name, default in (("model", size), ("micro_batch_size", b), ("seq_len", t), ("warmup", warmup), ("steps", steps)):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in ("micro_batch_size", "seq_len", "steps"):
+    for name in ("micro_batch_size", "seq_len", "steps", "world_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     if args.warmup < 0:
@@ -735,12 +873,19 @@ def main(argv=None):
     device_type, capability, _ = device_info(args.device)
     if args.memory:
         print(header(args, steps=False))
-        print("\n".join(memory_report(args.device, args.model, args.micro_batch_size, args.seq_len)))
+        print("\n".join(memory_report(args.device, args.model, args.micro_batch_size, args.seq_len, args.loss_impl,
+                                       args.activation_checkpointing, args.world_size, args.fsdp)))
+        return
+    if args.fit:
+        print(f"largest micro-batch at seq_len {args.seq_len} within {1 - args.headroom:.0%} of the GPU's memory, "
+              "computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere)\n")
+        print("\n".join(fit_table(args.seq_len, args.headroom)))
         return
     if args.find_batch:
         from train_gpt2 import precision_plan
         plan = precision_plan(device_type, capability)
-        settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda")
+        settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda", loss=args.loss_impl,
+                        ckpt=args.activation_checkpointing)
         raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
         float32_matmul(plan.tf32)
         try:

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+import bench
+from model import GPT, GPTConfig
 from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
@@ -89,7 +91,10 @@ def runs(tmp_path_factory):
 def test_fsdp_two_ranks_match_one_process(runs):
     data, one, fsdp, out = runs
     assert out.count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # rank 0 prints alone
-    assert '"fsdp": true' in out and "memory:" in out
+    assert '"fsdp": true' in out
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in model.parameters())  # rank 0's rows of each, fp32
+    assert f"memory: per rank (FSDP over 2): params {bench.fmt_bytes(shard)}, grads {bench.fmt_bytes(shard)}, " in out
     assert_same_run(one, fsdp, [0, 1, 2, 3])
     val_a = [e["val_loss"] for e in read_log(one) if "val_loss" in e]
     val_b = [e["val_loss"] for e in read_log(fsdp) if "val_loss" in e]
