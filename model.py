@@ -8,6 +8,10 @@ The GPT-2 model, in one file.
     _, loss = model(idx, targets)                  # the chunked cross-entropy: the loss, no logits
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
+GPTConfig(loss_impl="full") returns the logits with the loss (F.cross_entropy); the default chunked
+loss never builds them. GPTConfig(activation_checkpointing="blocks" or "every_other") recomputes
+those blocks in backward instead of keeping their activations.
+
 Also here: the AdamW setup (configure_optimizers), FLOPs per token and MFU against the peak of
 the GPU actually in use. `python model.py` prints the parameter count and FLOPs of each size.
 """
