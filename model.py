@@ -330,12 +330,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 hc, keep = h[i:i + chunk_rows].to(dtype), valid[i:i + chunk_rows]  # (n, C), (n,)
                 tgt = targets[i:i + chunk_rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
                 logits = (hc @ w.t()).float()  # (n, V)
-                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
-                loss += ((lse - logits.gather(1, tgt)).squeeze(1) * keep).sum()
+                target_logit = logits.gather(1, tgt)  # (n, 1)
+                top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+                exp = logits.sub_(top).exp_()  # (n, V) in place of the logits: one exp pass serves loss and grad
+                total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
+                loss += ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
                 if need_grad:
-                    probs = logits.sub_(lse).exp_()  # softmax, in place of the logits
-                    probs.scatter_add_(1, tgt, -keep[:, None].float())  # minus the one-hot target
-                    dlogits = probs.mul_((keep / n_valid)[:, None]).to(dtype)  # (n, V) dL/dlogits
+                    probs = exp.mul_((keep / n_valid)[:, None] / total)  # softmax / n_valid; ignored rows 0
+                    probs.scatter_add_(1, tgt, -(keep / n_valid)[:, None])  # minus the one-hot target
+                    dlogits = probs.to(dtype)  # (n, V) dL/dlogits
                     grad_h[i:i + chunk_rows] = dlogits @ w  # (n, C)
                     grad_w += dlogits.t() @ hc  # (V, C)
             if need_grad:

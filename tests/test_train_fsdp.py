@@ -15,6 +15,7 @@ import torch
 
 import bench
 from model import GPT, GPTConfig
+from sharding import load_optimizer_state
 from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
@@ -118,7 +119,27 @@ def test_plain_checkpoint_resumes_under_fsdp_with_activation_checkpointing(runs,
     shutil.copy(os.path.join(one, "ckpt_000002.pt"), out)
     run_ranks(tiny_args(data, out, **TWO, activation_checkpointing="every_other", resume="true"), out)
     assert_same_run(one, out, [2, 3])
-    assert load_ckpt(os.path.join(out, "ckpt_000004.pt"))["config"]["activation_checkpointing"] == "every_other"
+    ckpt = load_ckpt(os.path.join(out, "ckpt_000004.pt"))
+    assert ckpt["config"]["activation_checkpointing"] == ckpt["model_args"]["activation_checkpointing"] == "every_other"
+
+
+def test_checkpoint_from_before_the_named_format_resumes(runs, tmp_path):
+    """A checkpoint whose optimizer state is optimizer.state_dict() itself (integer ids, as written
+    before this format) resumes bit-exactly in one process."""
+    data, one, _, _ = runs
+    out = str(tmp_path / "old")
+    os.makedirs(out)
+    ckpt = load_ckpt(os.path.join(one, "ckpt_000002.pt"))
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])
+    ckpt["optimizer"] = optimizer.state_dict()
+    assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
+    torch.save(ckpt, os.path.join(out, "ckpt_000002.pt"))
+    assert main(tiny_args(data, out, **ONE, resume="true")) == 0
+    a, b = step_losses(one), step_losses(out)
+    assert sorted(b) == [2, 3] and all(a[s] == b[s] for s in b)
 
 
 def test_fsdp_needs_torchrun(runs, tmp_path, capsys):
