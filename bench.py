@@ -5,11 +5,13 @@ Speed and memory benchmarks for GPT-2 training steps.
     python bench.py --quick                 # a small config on CPU in well under a minute (the test suite's smoke run)
     python bench.py --json out.json --plot out.png
     python bench.py --memory                # where the memory goes: params, grads, optimizer, activations, allocator
+    python bench.py --memory --activation_checkpointing blocks --world_size 8 --fsdp   # ... in those modes
     python bench.py --find_batch            # the largest fast micro-batch that fits (CUDA)
+    python bench.py --fit                   # what fits where: computed micro-batches per model, GPU and mode
 
 The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast (bf16, or fp16 with
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
--> +fused AdamW. Rungs that cannot apply on the device are printed as skipped, with the reason.
+-> +fused AdamW -> +chunked loss. Rungs that cannot apply on the device are printed as skipped, with the reason.
 
 The memory estimate, the micro-batch finder and the step the probes take live in precision.py (the
 trainer uses them too); this file times and reports. Never imports train_gpt2.
@@ -23,12 +25,16 @@ import textwrap
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import precision
 from fileio import UserError, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
-from precision import (activation_bytes_estimate, auto_micro_batch, fmt_bytes, free_memory, is_oom,
-                       optimizer_state_tensors, random_batch, tensor_bytes, train_step)
+from precision import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
+                       is_oom, optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
+                       training_bytes_estimate, train_step)
 
 # -----------------------------------------------------------------------------
 # configurations: the real model on a GPU, small ones on a CPU
@@ -69,7 +75,7 @@ def rung_plan(device, settings):
 # the speed ladder
 
 BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, attn="naive",
-                sdpa_backends=(), vocab=50257, fused=False)
+                sdpa_backends=(), vocab=50257, fused=False, loss="full", ckpt="none")
 
 
 def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None):
@@ -101,6 +107,7 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
         fused_ok = device_type == "cuda" or fused_available(device_type)
     rungs.append(("+fused AdamW", {"fused": True}, None if fused_ok else
                   f"this torch has no fused AdamW kernel for {device_type}", "vs foreach"))
+    rungs.append(("+chunked loss", {"loss": "chunked"}, None, "vs logits + F.cross_entropy"))
     return rungs
 
 
@@ -116,7 +123,8 @@ def fused_available(device_type):
 def build(settings, size, seq_len, device, device_type):
     """A fresh model (same seed every rung) and its optimizer for one rung's settings."""
     torch.manual_seed(1337)
-    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"], **SIZES[size])
+    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
+                       loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], **SIZES[size])
     raw = GPT(config).to(device)
     optimizer = raw.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type=device_type,
                                          fused=settings["fused"], verbose=False)
@@ -242,23 +250,70 @@ def plot_ladder(rows, out, title):
 # memory: what the tensors hold, what autograd keeps for backward, what the allocator reserves
 
 
+class LiveTensors(TorchDispatchMode):
+    """Counts the storages that the ops run under it create (those in `exclude`, the parameters, are
+    not counted), by weak reference: live() is the bytes of those still alive, peak the most that
+    were alive at once, checked after every op. Works on every device, CPU included: it sees tensors,
+    not the allocator (whose peak adds fragmentation and workspaces to this)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.exclude, self.refs, self.peak = set(exclude), {}, 0
+
+    def live(self):
+        self.refs = {k: (ref, n) for k, (ref, n) in self.refs.items() if not ref.expired()}
+        return sum(n for _, n in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = storage_ptrs(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        self.live()  # forget the dead first: a new storage may reuse a freed address
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()  # views and in-place results share an input's storage: not new
+                if s.data_ptr() not in self.exclude | inputs and s.data_ptr() not in self.refs:
+                    self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def storage_ptrs(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
 def saved_activation_bytes(model, x, y, plan):
-    """Measure the activations of one forward: bytes of the distinct non-parameter storages autograd
-    saves for backward (autocast's weight copies count: they are saved too). Returns (saved, logits)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Measure the activations of one forward: bytes of the distinct storages autograd saves for
+    backward, parameters and the batch (x, y) left out; autocast's weight copies count (they are
+    saved too), and so does each checkpointed block's input (what activation checkpointing keeps).
+    Returns (saved, logits): logits 0 when the forward returns none (the chunked loss)."""
+    skip = storage_ptrs([*model.parameters(), x, y])
     saved = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
+        if s.data_ptr() not in skip:
             saved[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision.autocast(plan):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            precision.autocast(plan):
         logits, loss = model(x, y)
-    logits_bytes = logits.untyped_storage().nbytes()
+    logits_bytes = 0 if logits is None else logits.untyped_storage().nbytes()
     del logits, loss
     return sum(saved.values()), logits_bytes
+
+
+def step_peak_bytes(model, x, y, plan):
+    """The most bytes alive at once during one forward + backward, parameters left out: activations,
+    the temporaries of both passes and the gradients. The gradients are freed afterwards."""
+    counter = LiveTensors(exclude=storage_ptrs(model.parameters()))
+    with counter:
+        with precision.autocast(plan):
+            _, loss = model(x, y)
+        loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    return counter.peak
 
 
 def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
@@ -272,15 +327,17 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     return out
 
 
-def memory_report(plan, size, micro_batch, seq_len):
-    """The --memory report under a precision plan, as lines of text."""
+def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none", world_size=1, fsdp=False):
+    """The --memory report under a precision plan, as lines of text: measured in this process, with the
+    given loss and activation checkpointing modes; then what one rank of world_size (FSDP or DDP) needs,
+    computed."""
     device = plan.device
     device_type, capability, device_name = device_info(device)
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
-                    sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda")
+                    sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda", loss=loss, ckpt=ckpt)
     dname = precision.dtype_name(plan.dtype)
     lines = [f"memory of a training step: {size} at {micro_batch}x{seq_len}, {plan.describe()}, vocab 50304, "
-             f"on {device_name or device_type}"]
+             f"{loss} loss, activation checkpointing {ckpt}, on {device_name or device_type}"]
     precision.set_tf32(settings["tf32"])
     free_memory(device_type)
     if device_type == "cuda":
@@ -289,6 +346,7 @@ def memory_report(plan, size, micro_batch, seq_len):
     x, y = random_batch(micro_batch, seq_len, device)
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
     saved, logits = saved_activation_bytes(raw, x, y, plan)
+    peak = step_peak_bytes(raw, x, y, plan)
     for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
         train_step(model, optimizer, scaler, x, y, plan)
     precision.synchronize(device)
@@ -300,7 +358,9 @@ def memory_report(plan, size, micro_batch, seq_len):
               f"  optimizer state   {fmt_bytes(o):>10}  (AdamW exp_avg + exp_avg_sq)",
               f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); estimate {fmt_bytes(est)}",
               f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; "
-              f"estimate {fmt_bytes(est_logits)}"]
+              f"estimate {fmt_bytes(est_logits)}",
+              f"  step peak         {fmt_bytes(peak):>10}  measured: most bytes alive at once in forward + backward, "
+              "parameters left out (tensors counted, not the allocator)"]
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         peak_a, peak_r = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
@@ -328,6 +388,44 @@ def memory_report(plan, size, micro_batch, seq_len):
         a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
+    how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
+    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp)
+    lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
+                 ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) + f"; total {fmt_bytes(sum(parts.values()))}")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# what fits where, computed
+
+GPUS = [("T4 16 GB", 15.0, torch.float16), ("24 GB", 22.5, torch.bfloat16), ("A100 40 GB", 39.5, torch.bfloat16),
+        ("80 GB", 79.1, torch.bfloat16)]  # (name, GiB CUDA reports as total (A10, L4, 4090: 22.1-23.6), autocast dtype)
+FIT_MODES = [  # (column, world_size, fsdp, loss_impl, activation_checkpointing)
+    ("1 GPU, full loss", 1, False, "full", "none"),
+    ("1 GPU", 1, False, "chunked", "none"),
+    ("1 GPU, ckpt every_other", 1, False, "chunked", "every_other"),
+    ("1 GPU, ckpt blocks", 1, False, "chunked", "blocks"),
+    ("8 GPUs DDP", 8, False, "chunked", "none"),
+    ("8 GPUs DDP, ckpt blocks", 8, False, "chunked", "blocks"),
+    ("8 GPUs FSDP", 8, True, "chunked", "none"),
+    ("8 GPUs FSDP, ckpt blocks", 8, True, "chunked", "blocks"),
+]
+
+
+def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")):
+    """Markdown: the largest micro-batch at seq_len whose training_bytes_estimate stays within
+    1 - headroom of each GPU's memory, for each model size and mode ("-": not even 1)."""
+    lines = ["| model | GPU | " + " | ".join(m[0] for m in FIT_MODES) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in FIT_MODES) + " |"]
+    for size in sizes:
+        for gpu, gib, dtype in GPUS:
+            cells = []
+            for _, world, fsdp, loss, ckpt in FIT_MODES:
+                config = GPTConfig(vocab_size=50304, loss_impl=loss, activation_checkpointing=ckpt, **SIZES[size])
+                b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp)
+                cells.append(str(b) if b else "-")
+            n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
+            lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -354,18 +452,24 @@ def parse_args(argv):
     p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
+    p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"), help="the loss (--memory, --find_batch)")
+    p.add_argument("--activation_checkpointing", default="none", choices=("none", "blocks", "every_other"),
+                   help="recompute blocks in backward (--memory, --find_batch)")
+    p.add_argument("--world_size", type=int, default=1, help="ranks to compute the per-rank memory for (--memory)")
+    p.add_argument("--fsdp", action="store_true", help="the ranks shard the model with FSDP (--memory, computed)")
+    p.add_argument("--fit", action="store_true", help="what fits where: computed micro-batches per model, GPU and mode")
     p.add_argument("--find_batch", action="store_true", help="micro-batch finder instead of the ladder")
     p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH, help="tokens per optimizer step (--find_batch)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory to keep free (--find_batch)")
     args = p.parse_args(argv)
     args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"))
     device_type = torch.device(args.device).type
-    mode = "quick" if args.quick else ("cuda" if device_type == "cuda" else "cpu")
+    mode = "quick" if args.quick else ("cuda" if device_type == "cuda" or args.fit else "cpu")  # --fit: GPU shapes
     size, b, t, warmup, steps = DEFAULTS[mode]
     for name, default in (("model", size), ("micro_batch_size", b), ("seq_len", t), ("warmup", warmup), ("steps", steps)):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in ("micro_batch_size", "seq_len", "steps"):
+    for name in ("micro_batch_size", "seq_len", "steps", "world_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -405,10 +509,17 @@ def run(args):
     plan = precision.make_plan(args.device, args.precision)
     if args.memory:
         print(header(args, steps=False))
-        print("\n".join(memory_report(plan, args.model, args.micro_batch_size, args.seq_len)))
+        print("\n".join(memory_report(plan, args.model, args.micro_batch_size, args.seq_len, args.loss_impl,
+                                       args.activation_checkpointing, args.world_size, args.fsdp)))
+        return 0
+    if args.fit:
+        print(f"largest micro-batch at seq_len {args.seq_len} within {1 - args.headroom:.0%} of the GPU's memory, "
+              "computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere)\n")
+        print("\n".join(fit_table(args.seq_len, args.headroom)))
         return 0
     if args.find_batch:
-        settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda")
+        settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda", loss=args.loss_impl,
+                        ckpt=args.activation_checkpointing)
         raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
         precision.set_tf32(plan.tf32)
         try:

@@ -4,8 +4,13 @@ The GPT-2 model, in one file.
     from model import GPT, GPTConfig
     model = GPT(GPTConfig())                       # 124M, random init
     model = GPT.load("gpt2")                       # OpenAI weights (hub), a save_pretrained dir or a ckpt_*.pt
-    logits, loss = model(idx, targets)             # idx, targets: (B, T) int64
+    logits, _ = model(idx)                         # idx: (B, T) int64 -> logits (B, T, vocab)
+    _, loss = model(idx, targets)                  # the chunked cross-entropy: the loss, no logits
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
+
+GPTConfig(loss_impl="full") returns the logits with the loss (F.cross_entropy); the default chunked
+loss never builds them. GPTConfig(activation_checkpointing="blocks" or "every_other") recomputes
+those blocks in backward instead of keeping their activations.
 
 Also here: the AdamW setup (configure_optimizers) and FLOPs per token (precision.py has the MFU).
 From the command line:
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fileio import UserError, replacing_dir
 
@@ -44,6 +50,9 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
+    loss_impl: str = "chunked"  # with targets: "chunked" (loss only, no (B, T, V) logits) or "full" (logits too)
+    activation_checkpointing: str = "none"  # "none", "blocks" (all) or "every_other" (blocks 0, 2, 4, ...)
+    ce_chunk_rows: int = 1024  # chunked loss: rows of logits at a time (1024 x 50304 fp32 = 197 MiB)
 
 
 # the four OpenAI checkpoints
@@ -153,14 +162,29 @@ class GPT(nn.Module):
         if pos is None:
             pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x, attn_mask)
+        for i, block in enumerate(self.transformer.h):
+            if self.checkpointed(i):  # keep only the block's input; rerun it in backward
+                x = checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask)
         return self.transformer.ln_f(x)  # (B, T, C)
 
+    def checkpointed(self, i):
+        """Whether block i runs under activation checkpointing (only when gradients are being recorded)."""
+        mode = self.config.activation_checkpointing
+        return torch.is_grad_enabled() and (mode == "blocks" or mode == "every_other" and i % 2 == 0)
+
     def forward(self, idx, targets=None):
-        logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab_size)
+        """(logits (B, T, vocab_size), None) without targets. With targets, the mean cross-entropy
+        (targets of -1 are masked out): loss_impl="chunked" returns (None, loss) and never builds the
+        full logits (see chunked_cross_entropy); "full" returns (logits, loss) from F.cross_entropy."""
+        h = self.hidden_states(idx)  # (B, T, C)
+        if targets is not None and self.config.loss_impl == "chunked":
+            return None, chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                               self.config.ce_chunk_rows)
+        logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
-        if targets is not None:  # mean cross-entropy; targets of -1 are masked out
+        if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
@@ -316,6 +340,60 @@ def read_checkpoint(path, map_location="cpu"):
 
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+# -----------------------------------------------------------------------------
+# chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
+
+def chunked_cross_entropy(h, weight, targets, chunk_rows=1024):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (N, C), weight (V, C), targets (N,),
+    chunk_rows rows of logits at a time. The matmul runs in the autocast dtype (else weight's), the
+    softmax in fp32, as autocast would run the unchunked version."""
+    device_type = h.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
+    logits give softmax - one_hot, turned at once into that chunk's rows of dL/dh and its share of
+    dL/dweight (divided by n_valid in fp32); backward only scales them by the incoming gradient (1/grad_accum, the loss
+    scale). No second lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and
+    dL/dweight (V, C, fp32) instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad):
+        with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
+            w = weight.to(dtype)  # (V, C)
+            valid = targets != -1  # (N,)
+            n_valid = valid.sum().float()
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_grad else None  # (N, C)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            for i in range(0, h.size(0), chunk_rows):
+                hc, keep = h[i:i + chunk_rows].to(dtype), valid[i:i + chunk_rows]  # (n, C), (n,)
+                tgt = targets[i:i + chunk_rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
+                logits = (hc @ w.t()).float()  # (n, V)
+                target_logit = logits.gather(1, tgt)  # (n, 1)
+                top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+                exp = logits.sub_(top).exp_()  # (n, V) in place of the logits: one exp pass serves loss and grad
+                total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
+                loss += ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
+                if need_grad:  # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it
+                    probs = exp.mul_(keep[:, None] / total)  # would flush small probabilities to 0 (64K rows)
+                    probs.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
+                    dlogits = probs.to(dtype)  # (n, V) n_valid * dL/dlogits
+                    grad_h[i:i + chunk_rows] = (dlogits @ w).float().div_(n_valid).to(h.dtype)  # (n, C)
+                    grad_w += (dlogits.t() @ hc).float().div_(n_valid)  # (V, C)
+            if need_grad:
+                ctx.save_for_backward(grad_h, grad_w)
+            ctx.weight_dtype = weight.dtype
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None
 
 # -----------------------------------------------------------------------------
 # FLOPs (precision.py turns them into MFU against the GPU's peak)

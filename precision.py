@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fileio import UserError
 
@@ -184,6 +185,13 @@ def make_plan(device, precision="auto", compile="auto"):
     return plan
 
 
+def fsdp_param_dtype(dtype, device_type):
+    """The dtype FSDP all-gathers the blocks' weights in for compute: the autocast dtype on CUDA (its
+    autocast runs layer norms in fp32 whatever their weights' dtype). On CPU, fp32: its layer norm
+    kernel refuses bf16 weights on fp32 inputs, so there autocast does the casting, as without FSDP."""
+    return dtype if device_type == "cuda" else torch.float32
+
+
 _SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
@@ -296,9 +304,12 @@ def unwrap(model):
 
 
 def tensor_bytes(tensors):
-    """Bytes of distinct storages (a tied weight counts once)."""
+    """Bytes of distinct storages (a tied weight counts once); of an FSDP-sharded tensor (a DTensor),
+    this rank's shard."""
     seen = {}
     for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
         if t is not None and t.device.type != "meta":
             s = t.untyped_storage()
             seen[(t.device, s.data_ptr())] = s.nbytes()
@@ -309,16 +320,26 @@ def optimizer_state_tensors(optimizer):
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
-def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda"):
-    """Arithmetic estimate of what autograd keeps for backward in one forward of our GPT, in bytes,
-    and the logits the forward returns. Per layer it saves, in the autocast dtype (a bytes/element):
+def checkpointed_layers(config):
+    """How many blocks run under activation checkpointing (GPT.checkpointed says which)."""
+    return {"none": 0, "blocks": config.n_layer, "every_other": (config.n_layer + 1) // 2}[config.activation_checkpointing]
+
+
+def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False):
+    """Arithmetic estimate of what one forward of our GPT leaves alive for backward, in bytes, and the
+    logits it returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
     plus the two residual-stream inputs of the layer norms in fp32 (2 BTC) and their mean/rstd;
     SDPA adds its logsumexp (B, nh, T); the masked softmax instead keeps the (B, nh, T, T) attention
     and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
-    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. The head keeps
-    ln_f's input and output, cross-entropy's fp32 log-softmax (B, T, V), the token ids and targets;
-    autocast also keeps a copy of every matmul weight. Checked against saved_activation_bytes."""
+    copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. A checkpointed
+    layer keeps only its fp32 input (BTC). The head keeps ln_f's input and statistics and the position
+    ids, and then either (loss_impl="full") lm_head's input, cross-entropy's fp32 log-softmax (B, T, V)
+    and the logits it returns, or (chunked) dL/dh (BTC, fp32) and dL/dlm_head (V x C, fp32).
+    Autocast also keeps a copy of every matmul weight of the layers that are not checkpointed (and of
+    lm_head for the full loss), except under FSDP on CUDA, where the blocks' weights are gathered in
+    the autocast dtype already and freed after the forward. The batch (idx, targets) is the caller's,
+    not counted. Checked against saved_activation_bytes."""
     B, T, C, L, nh, V = micro_batch, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     a = 4 if dtype == torch.float32 else 2
     per_layer = 14 * B * T * C * a + 2 * B * T * C * 4 + 2 * 2 * B * T * 4
@@ -326,26 +347,98 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
         per_layer += B * nh * T * 4
     else:
         per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
-    head = B * T * C * 4 + 2 * B * T * 4 + B * T * C * a + B * T * V * 4 + 2 * B * T * 8 + T * 8 + 4  # + idx, targets, pos
-    weights = 0 if a == 4 else 2 * (L * 12 * C * C + V * C)  # c_attn 3CC + c_proj CC + c_fc 4CC + mlp c_proj 4CC, lm_head VC
-    return L * per_layer + head + weights, B * T * V * a
+    n_ckpt = checkpointed_layers(config)
+    layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
+    head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
+    full = config.loss_impl == "full"
+    head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4  # + total_weight | dL/dh, dL/dW
+    block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C  # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
+    weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
+    return layers + head + weights, B * T * V * a if full else 0
+
+
+def param_counts(config):
+    """(all parameters, those of one block) of a GPT of this shape, the tied embedding once."""
+    C = config.n_embd
+    block = 12 * C * C + 13 * C  # c_attn 3CC+3C, c_proj CC+C, c_fc 4CC+4C, mlp c_proj 4CC+C, two layer norms 4C
+    return config.vocab_size * C + config.block_size * C + config.n_layer * block + 2 * C, block
+
+
+def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", world_size=1,
+                            fsdp=False):
+    """Bytes one rank needs for a training step, by part (a dict), computed from the shapes for the
+    eager model (torch.compile fuses some activations away). Meant to be safe for "does it fit": it
+    counts all the gradients as alive together with all the activations and adds the largest
+    temporary on top, which no single moment of a step holds. Parts: fp32 parameters, gradients
+    and AdamW state (divided by world_size under FSDP); DDP's gradient buckets (a second copy of the
+    gradients, world_size > 1 without FSDP); under FSDP the gathered root (fp32, with its unsharded
+    gradient) and two blocks in the compute dtype (the one running and the one prefetched) plus one
+    block's unsharded gradient; activations and logits (activation_bytes_estimate); the largest
+    temporary: the loss's (full: two (B*T, V) fp32 gradients; chunked: one chunk of fp32 logits and
+    a (V, C) product) or a block's in backward (its recomputed activations when checkpointed, and
+    about 8 x B*T*C fp32 of gradients flowing through it). Gradients and activations do meet from
+    the second micro-step of an accumulating step on. On CPU it lies 7-110% above the measured peak
+    of forward + backward (step_peak_bytes, tests/test_bench.py)."""
+    n, block = param_counts(config)
+    B, T, C, V, L = micro_batch, seq_len, config.n_embd, config.vocab_size, config.n_layer
+    a = 4 if dtype == torch.float32 else 2
+    shard = world_size if fsdp else 1
+    parts = {"parameters": 4 * n // shard, "gradients": 4 * n // shard, "optimizer state": 8 * n // shard,
+             "DDP buckets": 4 * n if world_size > 1 and not fsdp else 0}
+    if fsdp:
+        p = torch.finfo(fsdp_param_dtype(dtype, device_type)).bits // 8
+        parts["FSDP gathered"] = 2 * 4 * (n - L * block) + 3 * p * block
+    parts["activations"], parts["logits"] = activation_bytes_estimate(config, B, T, dtype, device_type, fsdp)
+    if config.loss_impl == "full":
+        head = B * T * V * (8 + (a if a == 2 else 0))
+    else:
+        cast = a if a == 2 else 0  # the compute-dtype copies next to the fp32 ones
+        head = min(config.ce_chunk_rows, B * T) * V * (4 + cast) + V * C * (a + cast) + B * T * C * 4
+    per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1, activation_checkpointing="none"),
+                                          B, T, dtype, device_type)[0] - activation_bytes_estimate(
+        dataclasses.replace(config, n_layer=0, activation_checkpointing="none"), B, T, dtype, device_type)[0]
+    layer = (per_layer if checkpointed_layers(config) else 0) + 8 * B * T * C * 4
+    parts["largest temporary"] = max(head, layer)
+    return parts
+
+
+def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096):
+    """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
+    fits = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp).values()) <= budget  # noqa: E731
+    lo, hi = 0, limit
+    while lo < hi:  # the estimate grows with the micro-batch: bisect
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def is_sharded(model):
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def memory_summary(model, optimizer, device, micro_batch=None, seq_len=None, dtype=torch.float32):
     """One line for the trainer after its first step: parameter, gradient and optimizer-state bytes
-    (from the tensors, so on every device), activations (an estimate when micro_batch and seq_len are
-    given), and on CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
+    (from the tensors, so on every device; this rank's shards under FSDP), activations (an estimate
+    for the model's loss and checkpointing modes when micro_batch and seq_len are given), and on
+    CUDA what the allocator holds: allocated, reserved (cached on top) and the peaks."""
     device_type = torch.device(device).type
     params = list(model.parameters())
+    sharded = is_sharded(model)
     grads = tensor_bytes(p.grad for p in params)
     if grads == 0:  # freed after the step (zero_grad(set_to_none=True)): what backward allocates again
-        grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in {id(p): p for p in params if p.requires_grad}.values()]
+        grads = sum(p.numel() * p.element_size() for p in local)
     parts = [f"params {fmt_bytes(tensor_bytes(params))}",
              f"grads {fmt_bytes(grads)}",
              f"optimizer state {fmt_bytes(tensor_bytes(optimizer_state_tensors(optimizer)))}"]
+    if sharded:
+        import torch.distributed as dist
+        parts[0] = f"per rank (FSDP over {dist.get_world_size()}): " + parts[0]
     if micro_batch and seq_len:
-        act, logits = activation_bytes_estimate(unwrap(model).config, micro_batch, seq_len, dtype, device_type)
-        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len})")
+        config = unwrap(model).config
+        act, logits = activation_bytes_estimate(config, micro_batch, seq_len, dtype, device_type, fsdp=sharded)
+        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
+                     f"{config.loss_impl} loss, checkpointing {config.activation_checkpointing})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} (+{fmt_bytes(reserved - alloc)} cached), "
@@ -396,39 +489,33 @@ def random_batch(micro_batch, seq_len, device, seed=1337):
     return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)  # (B, T), (B, T)
 
 
-def param_count(config):
-    """Parameters of our GPT for a GPTConfig (the tied lm_head counted once), without building it."""
-    C, L = config.n_embd, config.n_layer
-    return config.vocab_size * C + config.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
-
-
 def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=1, dtype=torch.float16,
                     shrink_seq=True, headroom=0.15):
-    """For GPUs that start small (sm7x: 8-32 GB): the largest micro-batch whose estimated step fits in
-    memory_bytes, among those that keep total_batch_size by accumulation. The estimate is the fp32
-    weights, gradients and AdamW state (16 bytes per parameter) plus activation_bytes_estimate() and the
-    logits, within 1 - headroom of the memory. The micro-batch shrinks first; seq_len is halved only when
-    not even one sequence of it fits (and shrink_seq allows). Returns (micro_batch, seq_len, reason)."""
-    fixed = 16 * param_count(config)
+    """For GPUs that start small (sm7x: 8-32 GB): the largest micro-batch whose training step fits in
+    memory_bytes by training_bytes_estimate (which counts the model's loss and checkpointing modes),
+    within 1 - headroom, among those that keep total_batch_size by accumulation. The micro-batch
+    shrinks first; seq_len is halved only when not even one sequence of it fits (and shrink_seq
+    allows). Returns (micro_batch, seq_len, reason)."""
+    need = lambda b, t: sum(training_bytes_estimate(config, b, t, dtype, "cuda", world_size).values())  # noqa: E731
     budget = (1 - headroom) * memory_bytes
     T = seq_len
-    while T >= 64:
+    while True:
         rows = total_batch_size // (T * world_size) if total_batch_size % (T * world_size) == 0 else 0
-        fitting = [b for b in range(1, rows + 1) if rows % b == 0 and
-                   fixed + sum(activation_bytes_estimate(config, b, T, dtype)) <= budget]
+        fitting = [b for b in range(1, rows + 1) if rows % b == 0 and need(b, T) <= budget]
         if fitting:
             b = max(fitting)
-            need = fixed + sum(activation_bytes_estimate(config, b, T, dtype))
             how = f"seq_len {seq_len} -> {T}: not even 1 x {seq_len} fits, " if T != seq_len else ""
             return b, T, (f"micro-batch fitted to {fmt_bytes(memory_bytes)}: {how}{b} x {T} "
-                          f"(~{fmt_bytes(need)} estimated, grad_accum {rows // b} keeps total_batch_size {total_batch_size})")
-        if not shrink_seq or rows == 0:
+                          f"(~{fmt_bytes(need(b, T))} estimated, grad_accum {rows // b} keeps total_batch_size {total_batch_size})")
+        if not shrink_seq or rows == 0 or T <= 64:
             break
         T //= 2
-    raise UserError(f"a {param_count(config) / 1e6:.0f}M-parameter model does not fit in {fmt_bytes(memory_bytes)} "
-                    f"at seq_len {T if shrink_seq else seq_len} with total_batch_size {total_batch_size} (estimate: "
-                    f"{fmt_bytes(fixed)} of weights, gradients and AdamW state alone): use a smaller model, "
-                    "set micro_batch_size/seq_len yourself, or --device=cpu")
+    fixed = training_bytes_estimate(config, 1, T, dtype, "cuda", world_size)
+    state = fixed["parameters"] + fixed["gradients"] + fixed["optimizer state"]
+    raise UserError(f"a {param_counts(config)[0] / 1e6:.0f}M-parameter model does not fit in {fmt_bytes(memory_bytes)} "
+                    f"at seq_len {T} with total_batch_size {total_batch_size} (estimate: "
+                    f"{fmt_bytes(state)} of weights, gradients and AdamW state alone): use a smaller model, "
+                    "activation_checkpointing=blocks, fsdp=true over several GPUs, or set micro_batch_size/seq_len yourself")
 
 
 def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, max_micro_batch=None,
@@ -529,6 +616,16 @@ def agree(value, op, device):
     return t.item()
 
 
+def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, slack=4):
+    """The finder probes no micro-batch above slack x the largest that training_bytes_estimate fits in
+    budget: the estimate is on the safe side (the measured peak is lower; torch.compile lowers it
+    more), so the probes skip sizes that would only run out of memory. Returns (cap, note)."""
+    est = estimated_micro_batch(config, seq_len, dtype, budget, "cuda", world_size, fsdp)
+    return slack * max(est, 1), (f"the estimate for {config.loss_impl} loss, checkpointing "
+                                 f"{config.activation_checkpointing}{', FSDP' if fsdp else ''} fits {est}; "
+                                 f"probed up to {slack * max(est, 1)}")
+
+
 def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, device, plan, default,
                      max_micro_batch=None, headroom=0.1):
     """micro_batch_size="auto": on CUDA, probe the raw model (before torch.compile and DDP) and its
@@ -545,6 +642,9 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
                          f"(grad_accum {total_batch_size // (default * seq_len * world_size)})")
     free_memory(device_type)
     capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
+    cap, note = micro_batch_cap(unwrap(model).config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
+                                is_sharded(model))
+    max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
     def usage(b):
         free_memory(device_type)
@@ -566,6 +666,7 @@ def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, de
         return agree(b * seq_len / s, "min", device)
 
     b, reason = search_micro_batch(usage, measure, seq_len, total_batch_size, world_size, max_micro_batch, headroom)
+    reason += f" ({note})"
     agreed = int(agree(b, "min", device))
     if agreed != b:
         b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"

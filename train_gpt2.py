@@ -29,7 +29,7 @@ import textwrap
 import time
 import tokenize
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,7 @@ import plot
 import precision
 from fileio import UserError, replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, read_checkpoint
+from sharding import full_state, load_optimizer_state, shard_model
 
 # -----------------------------------------------------------------------------
 # config: typed defaults (build-nanogpt's 124M recipe), config files, --key=value overrides
@@ -92,11 +93,16 @@ class Config:
     precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
     compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true, false
     seed: int = 1337  # the run's random seed (initial weights, samples)
+    # memory: for models that do not fit (see bench/README.md for what fits where)
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and AdamW state over the ranks (FSDP2)
+    activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
+
 
 CHOICES = {
     "data_source": ("fineweb", "pydoc"),
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
+    "activation_checkpointing": ("none", "blocks", "every_other"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -376,11 +382,15 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, device):
+def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, device, master=True):
+    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes."""
+    model_state, optimizer_state = full_state(raw_model, optimizer)  # full CPU tensors on rank 0
+    if not master:
+        return
     ckpt = {
-        "model": raw_model.state_dict(),  # the bare module: no _orig_mod. / module. prefixes
+        "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. / module. prefixes
         "model_args": dataclasses.asdict(raw_model.config),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,  # keyed by parameter name, with or without FSDP
         "scaler": scaler.state_dict(),
         "step": step,  # optimizer steps done
         "config": dataclasses.asdict(cfg),
@@ -424,6 +434,8 @@ def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss):
         group["lr"] = lr
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
+        norm = norm.full_tensor()
     loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # the step's one host sync
     finite = math.isfinite(loss) and math.isfinite(norm)
     if scaler.is_enabled():
@@ -597,12 +609,21 @@ def train(argv, ddp, rank, master):
         raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
         setattr(cfg, k, getattr(raw_model.config, k))
+    raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
+    if cfg.fsdp and not ddp:
+        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, or drop --fsdp")
+    if cfg.fsdp and (cfg.sample_interval > 0 or cfg.hellaswag_interval > 0):
+        say("note: fsdp=true: in-training sampling and HellaSwag are off (they run outside the sharded forward); "
+            "score a checkpoint with hellaswag.py")
+        cfg.sample_interval = cfg.hellaswag_interval = 0
     if cfg.vocab_size < GPT2_VOCAB_SIZE and (cfg.sample_interval > 0 or cfg.hellaswag_interval > 0):
         say(f"note: vocab_size={cfg.vocab_size} cannot hold GPT-2's tokens: sampling and HellaSwag are off")
         cfg.sample_interval = cfg.hellaswag_interval = 0
     if cfg.seq_len > cfg.block_size:
         raise UserError(f"seq_len={cfg.seq_len} is longer than block_size={cfg.block_size}, the model's context: lower seq_len")
     raw_model.to(device)
+    if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
+        shard_model(raw_model, plan.dtype, device_type)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device_type, verbose=master)
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
 
@@ -614,7 +635,7 @@ def train(argv, ddp, rank, master):
 
     start_step = 0
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
         if ckpt["scaler"] and plan.grad_scaler:
             scaler.load_state_dict(ckpt["scaler"])
         train_loader.load_state_dict(ckpt["loader"])
@@ -627,7 +648,8 @@ def train(argv, ddp, rank, master):
     if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:
         model = raw_model
     plan = dataclasses.replace(plan, compile=model is not raw_model)
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+    wrap_ddp = ddp and not cfg.fsdp  # FSDP reduce-scatters the gradients itself, after every micro-step
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if wrap_ddp else model
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 
@@ -669,9 +691,9 @@ def train(argv, ddp, rank, master):
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
             for text in sample(raw_model, cfg, device, plan):
                 say(f"sample: {text!r}")
-        if step > start_step and master and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
+        if step > start_step and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
             path = checkpoint_path(cfg.out_dir, step)
-            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, device)
+            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, device, master)
             say(f"step {step:6d} | saved {path}")
         if last:
             break
@@ -680,7 +702,7 @@ def train(argv, ddp, rank, master):
         t0 = time.time()
         lr = get_lr(step, cfg)
         with logger.micro_step_bar(grad_accum, master) as bar:  # on a terminal, once a step takes > 5 s
-            loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, ddp, bar)
+            loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, wrap_ddp, bar)
         if ddp:
             dist.all_reduce(loss)  # SUM, then the mean over ranks: every rank sees the same loss and skips alike
             loss /= world_size

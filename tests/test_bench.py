@@ -15,8 +15,12 @@ from fileio import UserError
 from model import GPT, GPTConfig
 from precision import default_plan
 
+
+def cpu_plan(dtype):
+    return precision.make_plan("cpu", precision.dtype_name(dtype))
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW"]
+RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW", "+chunked loss"]
 
 # -----------------------------------------------------------------------------
 # the ladder
@@ -200,13 +204,56 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
 
 @pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
                                         ("naive", torch.bfloat16)])
-def test_activation_estimate_matches_what_autograd_saves(attn, dtype):
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+@pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
+def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
     torch.manual_seed(0)
-    config = GPTConfig(block_size=32, vocab_size=300, n_layer=2, n_head=4, n_embd=32, attn_impl=attn)
+    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
+                       loss_impl=loss_impl, activation_checkpointing=ckpt)
     model = GPT(config)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
-    saved, logits = bench.saved_activation_bytes(model, x, y, precision.make_plan("cpu", precision.dtype_name(dtype)))
+    saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
     assert (saved, logits) == precision.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+
+
+def live_after_forward(model, x, y):
+    """Bytes of the storages the forward created that are still alive once it returned (its loss
+    left out): an independent count of what it keeps, by weak reference instead of autograd's hooks."""
+    counter = bench.LiveTensors(exclude=bench.storage_ptrs(model.parameters()))
+    with counter:
+        _, loss = model(x, y)
+    return counter.live() - loss.untyped_storage().nbytes()
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    """What autograd's hooks see is all the forward keeps, checkpointed or not; a checkpointed block
+    keeps its input only, B x T x C fp32."""
+    B, T, C, L = 3, 24, 32, 4
+    kept = {}
+    for mode in ("none", "blocks", "every_other"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C, activation_checkpointing=mode))
+        x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
+        kept[mode] = bench.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
+        assert kept[mode] == live_after_forward(model, x, y)
+    plain_layer = 14 * B * T * C * 4 + 2 * B * T * C * 4 + 2 * 2 * B * T * 4 + B * 4 * T * 4  # see the estimate
+    assert kept["none"] - kept["blocks"] == L * (plain_layer - B * T * C * 4)
+    assert kept["none"] - kept["every_other"] == (L // 2) * (plain_layer - B * T * C * 4)
+
+
+def test_chunked_loss_lowers_the_step_peak():
+    """A vocabulary-heavy model: the full loss holds (B*T, V) fp32 tensors at its peak (logits,
+    log-softmax, their gradient); the chunked one holds chunks of them."""
+    B, T, V = 4, 32, 4000
+    peaks = {}
+    for impl in ("full", "chunked"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16, loss_impl=impl))
+        x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+        peaks[impl] = bench.step_peak_bytes(model, x, y, cpu_plan(torch.float32))
+        assert all(p.grad is None for p in model.parameters())
+    assert peaks["full"] > 3 * B * T * V * 4
+    assert peaks["full"] - peaks["chunked"] > 2 * B * T * V * 4
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
@@ -223,12 +270,72 @@ def test_memory_summary_counts_the_tensors_on_cpu():
 
 
 def test_memory_report_on_cpu_separates_every_part():
-    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16)
+    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4, fsdp=True)
     text = "\n".join(lines)
-    for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "allocator", "TF32 off vs on"):
+    for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "step peak", "allocator",
+                 "TF32 off vs on", "full loss, activation checkpointing every_other", "per rank, FSDP over 4"):
         assert part in text
     act = next(line for line in lines if line.strip().startswith("activations")).split()
     assert act[1:3] == act[-2:]  # measured == estimate, e.g. "1.2 MiB ... estimate 1.2 MiB"
+    logits = next(line for line in lines if line.strip().startswith("logits")).split()
+    assert logits[1:3] == ["6.1", "MiB"] == logits[-2:]  # 2 x 16 x 50304 x 4 bytes
+
+
+# -----------------------------------------------------------------------------
+# what a rank needs: the estimate behind --fit and the finder's cap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_impl,ckpt", [("full", "none"), ("chunked", "none"), ("chunked", "every_other"),
+                                            ("chunked", "blocks")])
+def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
+    """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
+    peak of forward + backward and not wildly above it."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl,
+                       activation_checkpointing=ckpt)
+    x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
+    measured = bench.step_peak_bytes(GPT(config), x, y, cpu_plan(dtype))
+    parts = precision.training_bytes_estimate(config, 4, 64, dtype, "cpu")
+    n = sum(p.numel() for p in GPT(config).parameters())
+    assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
+    step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
+    assert measured <= step <= 1.5 * measured
+
+
+def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
+    config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-xl"])
+    n, block = precision.param_counts(config)
+    assert round(n / 1e6) == 1558
+    one = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
+    ddp = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
+    fsdp = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
+    assert one["parameters"] + one["gradients"] + one["optimizer state"] == 16 * n  # ~25 GB
+    assert ddp["DDP buckets"] == 4 * n and one["DDP buckets"] == 0
+    assert fsdp["optimizer state"] == 8 * n // 8 and fsdp["FSDP gathered"] == 2 * 4 * (n - 48 * block) + 3 * 2 * block
+    assert fsdp["activations"] == one["activations"] - 2 * 48 * 12 * 1600 ** 2  # no autocast copies of block weights
+
+
+def test_estimated_micro_batch_is_the_largest_that_fits():
+    config = GPTConfig(vocab_size=50304, activation_checkpointing="every_other", **bench.SIZES["gpt2-medium"])
+    total = lambda b: sum(precision.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
+    budget = 0.9 * 40 * 2**30
+    b = precision.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
+    assert b > 1 and total(b) <= budget < total(b + 1)
+    assert precision.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
+    cap, note = precision.micro_batch_cap(config, 1024, torch.bfloat16, budget)
+    assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
+
+
+def test_fit_table_orders_the_modes():
+    lines = bench.fit_table(sizes=("gpt2", "gpt2-xl"))
+    rows = [line.split(" | ")[2:] for line in lines[2:]]
+    assert len(rows) == 2 * len(bench.GPUS)
+    cells = [[0 if c.strip(" |") == "-" else int(c.strip(" |")) for c in row] for row in rows]
+    for c in cells:  # full loss <= chunked <= +every_other <= +blocks; DDP <= 1 GPU; FSDP >= DDP
+        assert c[0] <= c[1] <= c[2] <= c[3] and c[4] <= c[1] and c[6] >= c[4] and c[7] >= c[6]
+    xl_t4 = cells[len(bench.GPUS)]
+    assert xl_t4[:6] == [0] * 6 and xl_t4[6] > 0  # 1558M: 25 GB of fp32 state; on 16 GB only sharded over 8
 
 
 def test_fmt_bytes():

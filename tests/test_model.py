@@ -2,12 +2,12 @@ import math
 
 import pytest
 import torch
-
-from fileio import UserError
+from torch.nn import functional as F
 from transformers import GPT2LMHeadModel
 
 from conftest import make_hf_gpt2
-from model import GPT, GPTConfig, flops_per_token
+from fileio import UserError
+from model import GPT, GPTConfig, chunked_cross_entropy, flops_per_token
 
 
 def hf_logits(path, idx):
@@ -69,7 +69,7 @@ def test_init_loss_is_ln_vocab():
 
 def test_masked_targets_are_ignored():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16))
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16, loss_impl="full"))
     idx = torch.randint(0, 100, (2, 16))
     targets = idx.clone()
     targets[:, :8] = -1
@@ -207,3 +207,98 @@ def test_from_checkpoint(tmp_path):
     back = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
     assert back.config == config
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+
+
+# -----------------------------------------------------------------------------
+# chunked cross-entropy and activation checkpointing: same numbers as the plain model
+
+
+def ce_inputs(N=37, C=16, V=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, C, generator=g).requires_grad_()
+    w = (0.5 * torch.randn(V, C, generator=g)).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::4] = -1  # masked rows, including the first of several chunks
+    return h, w, targets
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, 37, 1000])
+def test_chunked_cross_entropy_equals_f_cross_entropy_fp32(chunk_rows):
+    h, w, targets = ce_inputs()
+    ours = chunked_cross_entropy(h, w, targets, chunk_rows=chunk_rows)
+    ref = F.cross_entropy(h @ w.t(), targets, ignore_index=-1)
+    torch.testing.assert_close(ours, ref)
+    g_ours = torch.autograd.grad(3.0 * ours, (h, w))  # an incoming gradient other than 1 (1/grad_accum, loss scale)
+    g_ref = torch.autograd.grad(3.0 * ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+    assert g_ours[0][::4].abs().max() == 0  # masked rows get no gradient
+
+
+def test_chunked_cross_entropy_under_bf16_autocast():
+    h, w, targets = ce_inputs(N=64, C=32, V=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chunked_cross_entropy(h, w, targets, chunk_rows=16)
+        ref = F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)  # bf16 logits, fp32 softmax inside
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+    g_ours, g_ref = torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3 * b.abs().max().item())  # bf16: 8 mantissa bits
+
+
+def test_chunked_cross_entropy_keeps_small_fp16_gradients():
+    """fp16 (the sm7x path): softmax / n_valid for 8192 rows of a 2048 vocab is ~6e-8, below fp16's
+    normal range; the 1/n_valid must come after the fp16 matmuls, or the gradients lose 3-5%."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(8192, 16, generator=g).requires_grad_()
+    w = (0.1 * torch.randn(2048, 16, generator=g)).requires_grad_()
+    targets = torch.randint(0, 2048, (8192,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours = chunked_cross_entropy(h, w, targets, chunk_rows=1024)
+    ref = F.cross_entropy(F.linear(h, w), targets)  # fp32 reference
+    for a, b in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 5e-3
+
+
+def test_chunked_loss_is_the_default_and_equals_the_full_one():
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16)
+    assert config.loss_impl == "chunked"
+    chunked, full = GPT(config), GPT(GPTConfig(**{**config.__dict__, "loss_impl": "full"}))
+    full.load_state_dict(chunked.state_dict())
+    idx, targets = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
+    targets[:, :5] = -1
+    logits, loss = chunked(idx, targets)
+    assert logits is None  # training never builds the (B, T, V) logits
+    logits_full, loss_full = full(idx, targets)
+    assert logits_full.shape == (3, 16, 100)
+    torch.testing.assert_close(loss, loss_full)
+    loss.backward()
+    loss_full.backward()
+    for (name, a), b in zip(chunked.named_parameters(), full.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    with torch.no_grad():  # evaluation: the same loss, no gradient work
+        torch.testing.assert_close(chunked(idx, targets)[1], loss_full)
+    assert torch.equal(chunked(idx)[0], full(idx)[0])  # without targets: logits from both
+
+
+@pytest.mark.parametrize("mode", ["blocks", "every_other"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=16)
+    plain, ckpt = GPT(config), GPT(GPTConfig(**{**config.__dict__, "activation_checkpointing": mode}))
+    ckpt.load_state_dict(plain.state_dict())
+    assert [ckpt.checkpointed(i) for i in range(3)] == ([True] * 3 if mode == "blocks" else [True, False, True])
+    idx, targets = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
+    losses = []
+    for model in (plain, ckpt):
+        _, loss = model(idx, targets)
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-7, msg=name)
+    with torch.no_grad():
+        assert not any(ckpt.checkpointed(i) for i in range(3))  # nothing to recompute without gradients

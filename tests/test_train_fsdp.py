@@ -1,0 +1,148 @@
+"""fsdp=true (FSDP2, 2 CPU ranks on gloo) against 1 process with the same global batch: same losses,
+same weights, with and without activation checkpointing; and checkpoints resumed across modes
+(an FSDP checkpoint without FSDP, a plain one under FSDP). The ranks are started here, one process
+each with torchrun's environment (127.0.0.1, a free port), and killed by pid on every path."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import precision
+from model import GPT, GPTConfig
+from sharding import load_optimizer_state
+from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
+from train_gpt2 import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
+              min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
+ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2, fsdp="true")  # val: the same 4 batches
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(args, out_dir, world_size=2, timeout=150):
+    """train_gpt2.py args on world_size local ranks; returns rank 0's stdout. Fails the test on a
+    non-zero exit or the deadline; every rank still running by then is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.makedirs(out_dir, exist_ok=True)
+    procs, logs = [], []
+    try:
+        for rank in range(world_size):
+            log = open(os.path.join(out_dir, f"rank{rank}.txt"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # one rank failed: the others would wait for it until the deadline
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, f"exit codes {codes}\n" + "\n".join(t[-3000:] for t in texts)
+    return texts[0]
+
+
+def assert_same_run(a_dir, b_dir, steps, final_step=4):
+    a, b = step_losses(a_dir), step_losses(b_dir)
+    assert sorted(b) == steps
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in steps), (a, b)
+    wa = load_ckpt(os.path.join(a_dir, f"ckpt_{final_step:06d}.pt"))
+    wb = load_ckpt(os.path.join(b_dir, f"ckpt_{final_step:06d}.pt"))
+    assert set(wa["model"]) == set(wb["model"])  # the plain state_dict's keys, whichever run wrote it
+    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-5
+    sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
+    assert set(sa) == set(sb) and all(isinstance(k, str) for k in sa)  # by parameter name
+    assert max((sa[k][n] - sb[k][n]).abs().max().item() for k in sa for n in ("exp_avg", "exp_avg_sq")) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 1-process reference (4 steps) and a 2-rank FSDP run of the same."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    data = write_shards(str(tmp / "data"))
+    one = str(tmp / "one")
+    assert main(tiny_args(data, one, **ONE)) == 0
+    fsdp = str(tmp / "fsdp")
+    out = run_ranks(tiny_args(data, fsdp, **TWO), fsdp)
+    return data, one, fsdp, out
+
+
+def test_fsdp_two_ranks_match_one_process(runs):
+    data, one, fsdp, out = runs
+    assert out.count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # rank 0 prints alone
+    assert '"fsdp": true' in out
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in model.parameters())  # rank 0's rows of each, fp32
+    assert f"memory: per rank (FSDP over 2): params {precision.fmt_bytes(shard)}, grads {precision.fmt_bytes(shard)}, " in out
+    assert_same_run(one, fsdp, [0, 1, 2, 3])
+    val_a = [e["val_loss"] for e in read_log(one) if "val_loss" in e]
+    val_b = [e["val_loss"] for e in read_log(fsdp) if "val_loss" in e]
+    assert len(val_a) == len(val_b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(val_a, val_b))
+
+
+def test_fsdp_checkpoint_resumes_without_fsdp(runs, tmp_path):
+    data, one, fsdp, _ = runs
+    out = str(tmp_path / "plain")
+    os.makedirs(out)
+    shutil.copy(os.path.join(fsdp, "ckpt_000002.pt"), out)
+    assert main(tiny_args(data, out, **ONE, resume="true")) == 0
+    assert_same_run(one, out, [2, 3])
+
+
+def test_plain_checkpoint_resumes_under_fsdp_with_activation_checkpointing(runs, tmp_path):
+    """The other way round, and with every other block checkpointed: still the reference's numbers."""
+    data, one, _, _ = runs
+    out = str(tmp_path / "fsdp_ac")
+    os.makedirs(out)
+    shutil.copy(os.path.join(one, "ckpt_000002.pt"), out)
+    run_ranks(tiny_args(data, out, **TWO, activation_checkpointing="every_other", resume="true"), out)
+    assert_same_run(one, out, [2, 3])
+    ckpt = load_ckpt(os.path.join(out, "ckpt_000004.pt"))
+    assert ckpt["config"]["activation_checkpointing"] == ckpt["model_args"]["activation_checkpointing"] == "every_other"
+
+
+def test_checkpoint_from_before_the_named_format_resumes(runs, tmp_path):
+    """A checkpoint whose optimizer state is optimizer.state_dict() itself (integer ids, as written
+    before this format) resumes bit-exactly in one process."""
+    data, one, _, _ = runs
+    out = str(tmp_path / "old")
+    os.makedirs(out)
+    ckpt = load_ckpt(os.path.join(one, "ckpt_000002.pt"))
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])
+    ckpt["optimizer"] = optimizer.state_dict()
+    assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
+    torch.save(ckpt, os.path.join(out, "ckpt_000002.pt"))
+    assert main(tiny_args(data, out, **ONE, resume="true")) == 0
+    a, b = step_losses(one), step_losses(out)
+    assert sorted(b) == [2, 3] and all(a[s] == b[s] for s in b)
+
+
+def test_fsdp_needs_torchrun(runs, tmp_path, capsys):
+    data = runs[0]
+    assert main(tiny_args(data, str(tmp_path), fsdp="true")) == 2
+    assert "run under torchrun" in capsys.readouterr().err
