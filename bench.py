@@ -16,7 +16,6 @@ a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked 
 The memory estimate, the micro-batch finder and the step the probes take live in precision.py (the
 trainer uses them too); this file times and reports. Never imports train_gpt2.
 """
-import argparse
 import dataclasses
 import os
 import statistics
@@ -30,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import precision
-from fileio import UserError, replacing, write_json
+from fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from precision import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
                        is_oom, optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
@@ -438,7 +437,7 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="GPT-2 training speed ladder, memory report and micro-batch finder")
+    p = ArgumentParser(prog="bench.py", description="GPT-2 training speed ladder, memory report and micro-batch finder")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps (default: auto: cuda if available; cpu with --quick)")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="the plan's autocast dtype (auto: bf16 on sm80+, fp16 on sm7x, else fp32)")
@@ -497,14 +496,16 @@ def header(args, steps=True):
 def main(argv=None):
     try:
         return run(parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:
+        return fail(e)
 
 
 def run(args):
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(path, option)  # before the long run, not after
     if args.plot:
-        require_matplotlib()  # fail before the long run, not after
+        require_matplotlib()
     device_type = torch.device(args.device).type
     plan = precision.make_plan(args.device, args.precision)
     if args.memory:

@@ -10,17 +10,60 @@ disk or Ctrl-C leaves the previous file as it was, never a half-written one unde
     with replacing_dir("out/hf") as tmp:          # a whole directory: built aside, then swapped in
         model.save_pretrained(tmp)
 
-UserError is here too, at the bottom of the import graph, so that every module can raise it.
+UserError is here too, at the bottom of the import graph, so that every module can raise it, with
+the one exit-code convention of every script (fail) and the argparse parser that keeps to it:
+
+    try:
+        ...
+    except (UserError, OSError) as e:
+        return fail(e)                            # one line on stderr; 2 for bad input, 1 for a failed machine
 """
+import argparse
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 
 
 class UserError(Exception):
     """Bad input: every script's main() prints `error: <message>` on one line and exits 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error (an unknown option, a value of the wrong type, a missing
+    argument) is a UserError like any other bad input: one line and exit 2, not a usage block."""
+
+    def error(self, message):
+        raise UserError(f"{message} (python {self.prog} --help lists the options)")
+
+
+def fail(e, quiet=False):
+    """The last word of every script on an error it expects: prints `error: ...` (one line, on stderr;
+    nothing when quiet, e.g. on ranks other than 0) and returns the exit code. 2: a UserError, bad input
+    or usage (the message names the input and the fix). 1: an OSError while working, the machine's
+    failure rather than the input's (a full disk, an I/O error); files are written temp-then-rename, so
+    the previous ones are intact and the same command runs again once the machine is fixed."""
+    if isinstance(e, UserError):
+        message, code = str(e), 2
+    else:
+        what = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
+        message, code = f"{what}{e.strerror or e}; {fix} and run the same command again", 1
+    if not quiet:
+        print("error: " + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
+    return code
+
+
+def check_output_file(path, option):
+    """UserError unless path can take a file written by an option (--json, --out, ...): not a folder,
+    in a folder that exists. Checked before the work, so a long run never ends on a bad path."""
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path} is a folder: name the file to write, e.g. {os.path.join(path, 'out')}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UserError(f"{option} {path}: its folder does not exist; create it first")
 
 
 @contextmanager

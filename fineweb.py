@@ -38,7 +38,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from fileio import replacing, write_json
+from fileio import ArgumentParser, UserError, fail, replacing, write_json
 from tokenizer import EOT, get_encoding, vocab_hashes
 
 EOT_TEXT = "<|endoftext|>"
@@ -46,12 +46,12 @@ BATCH_CHARS = 1 << 20  # documents go to the workers in batches of about this ma
 MANIFEST = "manifest.json"
 
 
-class FineWebError(Exception):
-    """A user error: main() prints it as one line and returns 1."""
+class FineWebError(UserError):
+    """A user error: main() prints it as one line and returns 2."""
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Tokenize FineWeb-Edu (or local files) into GPT-2 uint16 shards.",
+    p = ArgumentParser(prog="fineweb.py", description="Tokenize FineWeb-Edu (or local files) into GPT-2 uint16 shards.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hugging Face dataset to stream")
     p.add_argument("--name", default="sample-10BT", help="the dataset's subset (config)")
@@ -104,7 +104,11 @@ def check_sources(paths):
             raise FineWebError(f"{path} is empty; leave it out of --source")
         if file_kind(path) == "parquet":
             import pyarrow.parquet as pq
-            if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets trips over these
+            try:
+                rows = pq.ParquetFile(path).metadata.num_rows
+            except Exception as e:  # pyarrow's errors: a truncated or foreign file
+                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out of --source") from None
+            if rows == 0:  # datasets trips over these
                 raise FineWebError(f"{path} holds no rows; leave it out of --source")
 
 
@@ -131,6 +135,8 @@ def read_text_file(path):
             return f.read()
     except UnicodeDecodeError as e:
         raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+    except (OSError, EOFError, lzma.LZMAError) as e:  # a truncated or corrupt .gz/.bz2/.xz
+        raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of --source") from None
 
 
 def iter_rows(ds, text_column, where):
@@ -192,9 +198,10 @@ def iter_documents(args, skip=0):
                 n += 1
         except FineWebError:
             raise
-        except Exception as e:  # the network, a malformed file: one line; the shards so far are kept
-            raise FineWebError(f"reading {where} failed ({one_line(e)}); "
-                               "fix it, or if it was the network run the same command again to resume")
+        except Exception as e:  # a malformed file (exit 2), or the hub's network (exit 1): the shards so far are kept
+            if kind == "hub":
+                raise ConnectionError(f"reading {where} failed ({one_line(e)}); the shards so far are kept") from None
+            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command again")
 
 
 def batches(docs):
@@ -576,21 +583,14 @@ def bench(args):
 def main(argv=None):
     try:
         args = parse_args(argv)
-    except SystemExit as e:  # argparse has printed the usage and the error
-        return e.code
-    try:
         if args.verify:
             verify(args.out_dir)
         elif args.bench:
             bench(args)
         else:
             build(args)
-    except FineWebError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # disk full, out_dir not writable, ...: the shards written so far are kept
-        print(f"error: {e}; fix that and run the same command again to resume", file=sys.stderr)
-        return 1
+    except (UserError, OSError) as e:  # bad input: 2; disk full, ...: 1 (the shards written so far are kept)
+        return fail(e)
     except BrokenProcessPool:
         print("error: a tokenizer process died (out of memory?): run the same command again, perhaps with a "
               "smaller --num_proc, to resume", file=sys.stderr)

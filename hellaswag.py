@@ -17,7 +17,6 @@ ctx + ending_i. Rows are right-padded, padding never scored; score_one() is the 
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
 """
-import argparse
 import json
 import os
 import random
@@ -32,7 +31,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import precision
-from fileio import UserError, write_json
+from fileio import ArgumentParser, UserError, check_output_file, fail, write_json
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
 from tokenizer import get_encoding
 
@@ -77,6 +76,8 @@ def parse_row(line, where, enc):
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise HellaSwagError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise HellaSwagError(f"{where}: not a HellaSwag row (JSON nested too deeply to read)") from None
     if not isinstance(row, dict):
         raise HellaSwagError(f"{where}: expected a JSON object, got {type(row).__name__}")
     ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
@@ -87,7 +88,7 @@ def parse_row(line, where, enc):
         raise HellaSwagError(f"{where}: 'endings' must be a list of 4 strings, got {got}")
     if label is None:
         raise HellaSwagError(f"{where}: no 'label' (HellaSwag's test split is unlabelled: score val or train)")
-    if isinstance(label, str) and label.strip().isdigit():  # the Hugging Face copy stores "0".."3"
+    if isinstance(label, str) and label.strip() in ("0", "1", "2", "3"):  # the Hugging Face copy stores "0".."3"
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
         raise HellaSwagError(f"{where}: 'label' must be 0, 1, 2 or 3, got {label!r}")
@@ -382,7 +383,7 @@ def bench(model, examples, plan, batch_size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
+    p = ArgumentParser(prog="hellaswag.py", description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
     p.add_argument("--model", default=None,
                    help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, or a ckpt_*.pt")
     p.add_argument("--split", default="val", choices=SPLITS)
@@ -397,15 +398,15 @@ def main(argv=None):
     p.add_argument("--bench", action="store_true",
                    help="time batched vs one-example scoring (a tiny random GPT-2 and 200 synthetic rows "
                         "unless --model/--data/--limit are given)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
         if args.limit is not None and args.limit < 1:
             raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
         if args.batch_size < 1:
             raise HellaSwagError(f"--batch_size must be at least 1, got {args.batch_size}")
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise HellaSwagError(f"--json {args.json}: its directory does not exist")
+        if args.json:
+            check_output_file(args.json, "--json")
         if args.bench and args.data is None:
             with tempfile.TemporaryDirectory() as d:
                 rows = synthetic_rows(args.limit or 200)
@@ -421,9 +422,8 @@ def main(argv=None):
         else:
             model = load_model(args.model or "gpt2")
         model.to(plan.device)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:
+        return fail(e)
     if args.bench:
         print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, {plan.describe()}")
         return 0 if bench(model, examples, plan, args.batch_size) else 1
@@ -436,9 +436,8 @@ def main(argv=None):
     if args.json:
         try:
             write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")}, indent=None)
-        except OSError as e:
-            print(f"error: could not write --json {args.json}: {e.strerror or e}", file=sys.stderr)
-            return 2
+        except OSError as e:  # the path was checked: a full disk (exit 1)
+            return fail(e)
         print(f"wrote {args.json}")
     return 0
 

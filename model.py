@@ -21,6 +21,7 @@ From the command line:
 The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
 pipeline("text-generation"); the source may also be a save_pretrained directory or a GPT-2 name.
 """
+import errno
 import inspect
 import math
 import os
@@ -34,7 +35,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fileio import UserError, replacing_dir
+from fileio import UserError, fail, replacing_dir
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -295,9 +296,11 @@ class GPT(nn.Module):
         state_dict (no compile/DDP prefixes). A wrong shape or key is one UserError line."""
         path, ckpt = (ckpt, read_checkpoint(ckpt)) if isinstance(ckpt, str) else ("the checkpoint", ckpt)
         try:
-            model = cls(GPTConfig(**ckpt["model_args"]))
+            config = GPTConfig(**ckpt["model_args"])
+            check_config(config, ckpt["model"])  # before building: a foreign dict never sizes the model
+            model = cls(config)
             model.load_state_dict(ckpt["model"])
-        except (TypeError, RuntimeError, KeyError) as e:
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError, AttributeError) as e:
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise UserError(f"{path} does not hold a GPT of ours ({type(e).__name__}: {msg})") from None
         return model
@@ -323,9 +326,30 @@ class GPT(nn.Module):
         hf.save_pretrained(out_dir)
 
 
+def check_config(config, state_dict):
+    """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
+    its modes are known ones (a checkpoint's model_args against its model)."""
+    sizes = {k: getattr(config, k) for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "ce_chunk_rows")}
+    if not all(type(v) is int and v >= 1 for v in sizes.values()):
+        raise ValueError(f"model_args {sizes} must be positive integers")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
+    modes = {"attn_impl": ("sdpa", "naive"), "loss_impl": ("chunked", "full"),
+             "activation_checkpointing": ("none", "blocks", "every_other")}
+    for k, allowed in modes.items():
+        if getattr(config, k) not in allowed:
+            raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
+    blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
+    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape), len(blocks))
+    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
+        raise ValueError(f"model_args {sizes} do not match its weights")
+
+
 def read_checkpoint(path, map_location="cpu"):
     """A checkpoint written by train_gpt2.py, as a dict of plain tensors and numbers (weights_only),
     or one UserError line for a missing, truncated or foreign file."""
+    if os.path.isdir(path):
+        raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path!r} not found")
     try:
@@ -432,7 +456,12 @@ def export(src, out_dir):
                          "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with replacing_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+        except Exception as e:  # safetensors reports a failed write (a full disk) as its own error type
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise OSError(errno.EIO, f"could not write {out_dir} ({e})") from None
         write_hf_tokenizer(tmp, model_max_length=model.config.block_size)
     return model
 
@@ -452,18 +481,12 @@ def main(argv):
     if argv in ([], ["sizes"]):
         print_sizes()
         return 0
-    if len(argv) != 3 or argv[0] != "export":
-        print(USAGE, file=sys.stderr)
-        return 2
-    from tokenizer import TokenizerError
     try:
+        if len(argv) != 3 or argv[0] != "export":
+            raise UserError(f"expected `sizes` or `export SRC OUT_DIR`, got {' '.join(argv)!r}; {USAGE}")
         export(argv[1], argv[2])
-    except (UserError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # no space, no permission
-        print(f"error: could not write {argv[2]}: {e.strerror or e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:  # OSError: no space or no permission while writing OUT_DIR (exit 1)
+        return fail(e)
     print(f"wrote {argv[2]}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
     return 0
 

@@ -9,13 +9,12 @@ Reads each run's log.jsonl and config.json (written by train_gpt2.py). Needs mat
 dependency (`pip install matplotlib`, or `pip install -r requirements-dev.txt`). The trainer calls
 refresh(out_dir) at each eval to keep out_dir/curves.png current; that call never raises.
 """
-import argparse
 import json
 import math
 import os
 import sys
 
-from fileio import replacing
+from fileio import ArgumentParser, UserError, check_output_file, fail, replacing
 
 # -----------------------------------------------------------------------------
 # reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as hellaswag.py)
@@ -47,10 +46,6 @@ def reference_size(n_layer, n_embd):
 # reading a run
 
 
-class PlotError(Exception):
-    """Bad input: main() prints `error: <message>` on one line and exits 2."""
-
-
 def read_run(run_dir):
     """{'name', 'config', 'train', 'val', 'hellaswag'}: each series a (tokens_seen, values) pair of
     lists, sorted by step. Tokens seen at a row of step s are s * total_batch_size: the losses and
@@ -59,21 +54,24 @@ def read_run(run_dir):
     config_path, log_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "log.jsonl")
     for path in (config_path, log_path):
         if not os.path.isfile(path):
-            raise PlotError(f"{path} not found: RUN_DIR must be a train_gpt2.py out_dir")
+            raise UserError(f"{path} not found: RUN_DIR must be a train_gpt2.py out_dir")
     try:
         with open(config_path) as f:
             config = json.load(f)
         tokens_per_step = int(config["total_batch_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise PlotError(f"{config_path} is not a train_gpt2.py config ({type(e).__name__}: {e})") from None
+        config["n_layer"], config["n_embd"] = int(config.get("n_layer", 12)), int(config.get("n_embd", 768))
+        if min(tokens_per_step, config["n_layer"], config["n_embd"]) < 1:
+            raise ValueError("total_batch_size, n_layer and n_embd must be positive")
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise UserError(f"{config_path} is not a train_gpt2.py config ({type(e).__name__}: {e})") from None
     series = {"train": {}, "val": {}, "hellaswag": {}}
     keys = {"train": "loss", "val": "val_loss", "hellaswag": "hellaswag_acc_norm"}
-    with open(log_path) as f:
+    with open(log_path, errors="replace") as f:  # (a line of bytes that are not UTF-8 does not parse: skipped)
         for line in f:
             try:
                 row = json.loads(line)
                 step = int(row["step"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):
                 continue
             for name, key in keys.items():
                 if isinstance(row.get(key), (int, float)):
@@ -155,7 +153,7 @@ def draw(runs, out):
         ax.legend(fontsize="small")
     ext = os.path.splitext(out)[1].lstrip(".").lower() or "png"
     if ext not in fig.canvas.get_supported_filetypes():
-        raise PlotError(f"--out {out}: matplotlib cannot write .{ext} files; use .png, .pdf or .svg")
+        raise UserError(f"--out {out}: matplotlib cannot write .{ext} files; use .png, .pdf or .svg")
     with replacing(out, suffix=".tmp." + ext) as tmp:
         fig.savefig(tmp, format=ext, dpi=110)
 
@@ -196,24 +194,21 @@ def refresh(out_dir, say=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Plot train/val loss and HellaSwag of train_gpt2.py runs.")
+    p = ArgumentParser(prog="plot.py", description="Plot train/val loss and HellaSwag of train_gpt2.py runs.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of a run (holds log.jsonl and config.json)")
     p.add_argument("--out", default=None, metavar="PNG",
                    help="image to write (.png, .pdf, .svg); default RUN_DIR/curves.png for one run, curves.png for several")
-    args = p.parse_args(argv)
-    note = missing_matplotlib()
-    if note:
-        print(f"error: {note}", file=sys.stderr)
-        return 1  # not bad input: the environment lacks an optional package (as bench.py --plot)
-    out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
     try:
+        args = p.parse_args(argv)
+        note = missing_matplotlib()
+        if note:  # a package the command needs, as bench.py --plot and the trainer's --tensorboard: exit 2
+            raise UserError(note)
+        out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
         runs = [read_run(d) for d in args.runs]
-        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-            raise PlotError(f"--out {out}: its directory does not exist")
+        check_output_file(out, "--out")
         draw(runs, out)
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:
+        return fail(e)
     for run in runs:
         (_, tr), (_, va), (_, hs) = run["train"], run["val"], run["hellaswag"]
         best = lambda v, f: f"{f(v):.4f}" if v else "-"  # noqa: E731

@@ -11,16 +11,15 @@ sample ends after --max_new_tokens or at <|endoftext|>, as transformers' generat
 prompt, samples start from <|endoftext|>, i.e. from the start of a document. The same --seed on the
 same device and precision gives the same text.
 """
-import argparse
 import codecs
 import sys
 
 import torch
 
 import precision
-from fileio import UserError
+from fileio import ArgumentParser, UserError, fail
 from model import GPT
-from tokenizer import EOT, TokenizerError, get_encoding
+from tokenizer import EOT, get_encoding
 
 # -----------------------------------------------------------------------------
 # sampling
@@ -69,7 +68,7 @@ def read_prompt(args, enc):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
+    p = ArgumentParser(prog="sample.py", description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
     p.add_argument("--model", required=True, help="a ckpt_*.pt, a save_pretrained directory, or gpt2 .. gpt2-xl")
     p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
@@ -81,13 +80,13 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="autocast dtype; auto = bf16 on sm80+, fp16 on sm7x, else fp32")
-    args = p.parse_args(argv)
     say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731 - status lines stay out of the text
     try:
+        args = p.parse_args(argv)
         for key in ("num_samples", "max_new_tokens"):
             if getattr(args, key) < 1:
                 raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
-        if args.temperature < 0 or args.top_k < 0:
+        if not args.temperature >= 0 or args.top_k < 0:  # (NaN fails >= 0 too)
             raise UserError(f"--temperature and --top_k must not be negative, got {args.temperature} and {args.top_k}")
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
@@ -95,9 +94,8 @@ def main(argv=None):
         model = GPT.load(args.model, verbose=False)
         if model.config.vocab_size < enc.n_vocab:
             raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {enc.n_vocab} tokens")
-    except (UserError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:
+        return fail(e)
     model.to(plan.device).eval()
     say(f"{args.model}: {model.num_params(non_embedding=False):,} parameters on {plan.device}, "
         f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")

@@ -24,6 +24,8 @@ import shutil
 
 import tiktoken
 
+from fileio import UserError
+
 EOT = 50256  # <|endoftext|>
 # the hashes tiktoken pins for OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -32,8 +34,8 @@ ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-class TokenizerError(RuntimeError):
-    pass
+class TokenizerError(UserError):
+    """The vocabulary files are missing or altered: the installation's to fix (one line, exit 2)."""
 
 
 def vocab_files(data_dir=None):

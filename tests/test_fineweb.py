@@ -58,9 +58,10 @@ def concat(out):
     return np.concatenate([np.load(os.path.join(out, n)) for n in order])
 
 
-def run_error(capsys, argv):
-    """main(argv) must fail with exactly one 'error: ...' line on stderr; returns that line."""
-    assert fineweb.main(argv) == 1
+def run_error(capsys, argv, code=2):
+    """main(argv) must fail with exit code 2 (bad input; 1: the machine's failure) and exactly one
+    'error: ...' line on stderr; returns that line."""
+    assert fineweb.main(argv) == code
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "tokenizing" not in line]
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
