@@ -9,7 +9,8 @@ Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one 
 Config files are plain Python assignments (`n_layer = 12`) applied in order to the typed defaults
 of `Config` below; `--key=value` overrides them. The resolved config is printed once and saved as
 out_dir/config.json; progress goes to the console and to out_dir/log.jsonl; checkpoints to
-out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
+out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly). Ctrl-C/SIGTERM
+and `--time_limit=MINUTES` finish the step, save and print the command that continues the run.
 """
 import bisect
 import dataclasses
