@@ -629,8 +629,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def catch_stop_signals():
     """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
     current optimizer step and saves); a second one raises Stopped wherever the loop is (a save in
-    progress leaves its .tmp, never a broken file under a checkpoint's name). main() puts the previous
-    handlers back. The handler prints nothing: a print inside it can collide with one in progress."""
+    progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores both
+    once its last checkpoint is written; main() puts the previous handlers back. The handler prints nothing: a print inside it can collide with one in progress."""
     got = []
 
     def handler(signum, frame):
@@ -719,10 +719,10 @@ def main(argv):
                   file=sys.stderr)
         return 128 + signum
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         if ddp and dist.is_initialized():
             dist.destroy_process_group()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def train(argv, ddp, rank, master):
@@ -904,6 +904,8 @@ def train(argv, ddp, rank, master):
             say(f"{reason}: stopped after step {step}, saved {path}; resume with: {resume_command(argv, ddp)}")
             code = 128 + stop_signal if stop_signal else 124
             break
+    for sig in STOP_SIGNALS:  # saved: a late signal (torchrun stopping the ranks that are still here) changes nothing
+        signal.signal(sig, signal.SIG_IGN)
     if ddp:
         dist.barrier()  # rank 0 may still be writing the last checkpoint: leave together
     return code

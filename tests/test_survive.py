@@ -25,6 +25,7 @@ from train_gpt2 import Guard, TokenLoader, accumulate_gradients, main, optimizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+DDP_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
 
 
 def args(data_dir, out_dir, **over):
@@ -72,14 +73,14 @@ def straight(data_dir, tmp_path_factory):
     return out
 
 
-def reference(data_dir, tmp_path, max_steps, launcher=None, **over):
+def reference(data_dir, tmp_path, max_steps, launcher=None, env=ENV, **over):
     """The run that was never interrupted: in this process, or under the given launcher."""
     out = str(tmp_path / "reference")
     if launcher is None:
         assert main(args(data_dir, out, max_steps=max_steps, **over)) == 0
     else:
         r = subprocess.run(launcher + ["train_gpt2.py", *args(data_dir, out, max_steps=max_steps, **over)], cwd=ROOT,
-                           env=ENV, capture_output=True, text=True, timeout=180)
+                           env=env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -120,11 +121,11 @@ def running(pids):
     return alive
 
 
-def interrupt(cmd, out_dir, tmp_path, send, after_step=2, timeout=90):
+def interrupt(cmd, out_dir, tmp_path, send, after_step=2, timeout=90, env=ENV):
     """Start cmd, wait until it logged after_step, call send(proc), wait for its exit. Returns (exit code,
     stdout, stderr); asserts that nothing it started outlived it, and kills all of it on every way out."""
     stdout, stderr = open(tmp_path / "stdout.txt", "w+"), open(tmp_path / "stderr.txt", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=stdout, stderr=stderr)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
     started = [proc.pid]
     try:
         end = time.time() + timeout
@@ -176,17 +177,19 @@ def test_torchrun_one_rank_signalled_all_stop_at_one_step(data_dir, tmp_path):
     out = str(tmp_path / "run")
     over = dict(total_batch_size=128)  # 2 ranks x 2 micro-steps of 2 x 16
     cmd = TORCHRUN + ["train_gpt2.py", *args(data_dir, out, max_steps=100000, **over)]
-    rc, stdout, stderr = interrupt(cmd, out, tmp_path, lambda proc: os.kill(child_pids(proc.pid)[1], signal.SIGTERM))
-    assert rc != 0  # torchrun reports its workers' exit codes: both 143, rank 0 too, which got no signal
-    assert len(re.findall(r"exitcode\s*:\s*143", stderr)) == 2, stderr[-3000:]
+    rc, stdout, stderr = interrupt(cmd, out, tmp_path, lambda proc: os.kill(child_pids(proc.pid)[1], signal.SIGTERM),
+                                   env=DDP_ENV)
+    assert rc != 0  # torchrun reports its workers' exit codes: 143 (or -15: torchrun sends SIGTERM to the
+    assert "exitcode  : 143" in stderr, stderr[-3000:]  # ranks still there when the first one has exited)
     step, path, resume = stop_line(stdout)
+    assert f"SIGTERM: stopped after step {step}" in stdout  # said by rank 0, which got no signal itself
     assert ckpts(out) == [f"ckpt_{step + 1:06d}.pt"]
     assert resume[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
 
-    r = subprocess.run(TORCHRUN + resume[3:] + [f"--max_steps={step + 3}"], cwd=ROOT, env=ENV,
+    r = subprocess.run(TORCHRUN + resume[3:] + [f"--max_steps={step + 3}"], cwd=ROOT, env=DDP_ENV,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    ref = reference(data_dir, tmp_path, step + 3, launcher=TORCHRUN, **over)
+    ref = reference(data_dir, tmp_path, step + 3, launcher=TORCHRUN, env=DDP_ENV, **over)
     assert rows(out) == rows(ref)
     assert_same_state(os.path.join(out, f"ckpt_{step + 3:06d}.pt"), os.path.join(ref, f"ckpt_{step + 3:06d}.pt"))
 
@@ -195,7 +198,7 @@ def test_torchrun_ctrl_c(data_dir, tmp_path):
     """SIGINT to torchrun (what Ctrl-C in a terminal does): it passes it on, the workers stop together."""
     out = str(tmp_path / "run")
     cmd = TORCHRUN + ["train_gpt2.py", *args(data_dir, out, max_steps=100000, total_batch_size=128)]
-    rc, stdout, stderr = interrupt(cmd, out, tmp_path, lambda proc: proc.send_signal(signal.SIGINT))
+    rc, stdout, stderr = interrupt(cmd, out, tmp_path, lambda proc: proc.send_signal(signal.SIGINT), env=DDP_ENV)
     assert rc != 0
     step, path, resume = stop_line(stdout)
     assert "SIGINT: stopped after step" in stdout
@@ -241,8 +244,8 @@ def test_time_limit_stops_in_time_and_resumes(data_dir, tmp_path, capsys):
     t = time.time()
     assert main(args(data_dir, out, max_steps=5000, time_limit=limit)) == 124
     # the margin is the slowest loop iteration so far + a step + the save; on this shared 2-core machine a
-    # step can stall for a second now and then, which no margin foresees: allow for one such stall
-    assert time.time() - t < limit * 60 + 1.5
+    # step can stall for a second or two now and then, which no margin foresees: allow for that
+    assert time.time() - t < limit * 60 + 3
     step, path, resume = stop_line(capsys.readouterr().out)
     assert ckpts(out) == [f"ckpt_{step + 1:06d}.pt"]
     assert resume[-1] == "--resume=true" and f"--time_limit={limit}" in resume
