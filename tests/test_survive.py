@@ -304,6 +304,16 @@ def test_resume_takes_the_newest_held_step_and_skips_broken_files(data_dir, stra
     assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
 
 
+def test_resume_refuses_an_out_dir_of_broken_files_only(data_dir, straight, tmp_path, capsys):
+    out = str(tmp_path / "broken")
+    os.makedirs(out)
+    data = open(os.path.join(straight, "ckpt_000008.pt"), "rb").read()
+    open(os.path.join(out, "ckpt_000008.pt"), "wb").write(data[:1000])
+    assert main(args(data_dir, out, max_steps=8, resume="auto")) == 2  # not a fresh run over them
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds ckpt_*.pt files but none is readable" in err
+
+
 def test_resume_refuses_another_model_shape(data_dir, straight, tmp_path, capsys):
     out = copy_run(straight, tmp_path / "shape", ["ckpt_000004.pt"])
     assert main(args(data_dir, out, max_steps=8, resume="auto", n_layer=2)) == 2
@@ -333,6 +343,15 @@ def test_log_has_no_rows_twice_after_a_hard_kill(data_dir, straight, tmp_path):
     open(os.path.join(out, "log.jsonl"), "w").write("".join(lines) + '{"step": 7, "lo')
     assert main(args(data_dir, out, max_steps=8, resume="true")) == 0
     assert rows(out) == rows(straight)
+
+
+def test_checkpoint_by_the_clock(data_dir, straight, tmp_path):
+    """checkpoint_minutes: saves with no checkpoint_interval (here 0.6 ms after the last: at every step), and changes nothing else."""
+    out = str(tmp_path / "clock")
+    assert main(args(data_dir, out, max_steps=8, checkpoint_minutes=0.00001, keep_last=0)) == 0
+    assert len(ckpts(out)) > 2 and "ckpt_000008.pt" in ckpts(out)
+    assert rows(out) == rows(straight)
+    assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
 
 
 def test_keep_last(data_dir, tmp_path):
