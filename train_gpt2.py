@@ -358,7 +358,7 @@ def resume_checkpoint(cfg, given, say):
     RUN_KEYS are set from the checkpoint, any that changed reported in one line. Only safe keys
     (intervals, max_steps, device, precision, micro-batch, time_limit, ...) come from the new config."""
     files = checkpoint_files(cfg.out_dir)
-    how = f"--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
+    how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
     if cfg.resume == "false":
         if files:
             raise UserError(f"out_dir {cfg.out_dir!r} holds another run's checkpoints ({os.path.basename(files[0][1])}): {how}")
