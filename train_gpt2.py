@@ -10,12 +10,12 @@ Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one 
 Config files are plain Python assignments (`n_layer = 12`) applied in order to the typed defaults
 of `Config` below; `--key=value` overrides them. The resolved config is printed once and saved as
 out_dir/config.json; progress goes to the console and to out_dir/log.jsonl; checkpoints to
-out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
+out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly). Ctrl-C/SIGTERM
+and `--time_limit=MINUTES` finish the step, save and print the command that continues the run.
 """
 import bisect
 import dataclasses
 import difflib
-import glob
 import importlib.util
 import inspect
 import io
@@ -24,11 +24,14 @@ import math
 import os
 import re
 import shutil
+import shlex
+import signal
 import sys
 import textwrap
 import time
 import tokenize
 import types
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -83,7 +86,13 @@ class Config:
     sample_tokens: int = 32  # new tokens per sample
     sample_prompt: str = "Hello, I'm a language model,"  # the text samples continue
     checkpoint_interval: int = 5000  # steps between out_dir/ckpt_XXXXXX.pt files
-    resume: bool = False  # continue from the newest out_dir/ckpt_*.pt
+    checkpoint_minutes: float = 60.0  # also save when this long has passed since the last save (0 = off)
+    keep_last: int = 2  # checkpoints kept in out_dir (older ones are deleted once a new one is in place); 0 = all
+    resume: str = "false"  # "true": continue from the newest out_dir/ckpt_*.pt; "auto": if there is one; "false": start fresh
+    # surviving the session: stop cleanly on SIGINT/SIGTERM or near the time limit; stop on divergence
+    time_limit: float = 0.0  # minutes from start-up; save and stop before they run out (0 = no limit)
+    max_skipped: int = 10  # stop after this many optimizer steps skipped in a row (inf/nan, outliers); 0 = never
+    skip_outliers_z: float = 0.0  # skip the update when loss or grad norm is > z std above the last 128 steps' mean (0 = off)
     # logging: out_dir/log.jsonl always; TensorBoard and Weights & Biases when asked (logger.py)
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs `pip install tensorboard`)
     wandb_project: str = ""  # also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline: no network)
@@ -103,6 +112,7 @@ CHOICES = {
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
     "activation_checkpointing": ("none", "blocks", "every_other"),
+    "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -119,11 +129,13 @@ def check_value(key, value):
     """value (from a config file, or parsed from the command line) as the key's type, or UserError."""
     if key == "micro_batch_size" and value == "auto":
         return value
+    if key == "resume" and isinstance(value, bool):  # resume = True in a config file
+        value = str(value).lower()
     t = FIELDS[key].type
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        kind = 'an integer or "auto"' if key == "micro_batch_size" else TYPE_NAMES[t]
+        kind = 'an integer or "auto"' if key == "micro_batch_size" else "true, false or auto" if key == "resume" else TYPE_NAMES[t]
         raise UserError(f"{key} must be {kind}, got {value!r} (default: {FIELDS[key].default!r})")
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(f"{key} must be one of {', '.join(CHOICES[key])}; got {value!r}")
@@ -135,6 +147,8 @@ def parse_value(key, text):
     t = FIELDS[key].type
     if key == "micro_batch_size" and text == "auto":
         return text
+    if key == "resume":
+        return {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(text.lower(), text.lower())
     try:
         if t is bool:
             return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
@@ -183,9 +197,13 @@ def validate(cfg):
         if getattr(cfg, key) != "auto" and getattr(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
-                "sample_tokens", "checkpoint_interval", "max_lr", "min_lr", "weight_decay", "grad_clip"):
+                "sample_tokens", "checkpoint_interval", "checkpoint_minutes", "keep_last", "time_limit",
+                "max_skipped", "skip_outliers_z", "max_lr", "min_lr", "weight_decay", "grad_clip"):
         if getattr(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
+    for key in ("max_lr", "min_lr"):  # (NaN fails this too)
+        if not getattr(cfg, key) < 1e37:
+            raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 above ~3e37")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # before anything slow
@@ -361,10 +379,82 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
-def latest_checkpoint(out_dir):
-    paths = glob.glob(os.path.join(out_dir, "ckpt_*.pt"))
-    paths = [p for p in paths if re.fullmatch(r"ckpt_\d+\.pt", os.path.basename(p))]
-    return max(paths, key=lambda p: int(os.path.basename(p)[5:-3])) if paths else None
+def checkpoint_files(out_dir):
+    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
+    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
+
+
+def latest_checkpoint(out_dir, warn=print):
+    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it.
+    The steps are read with mmap, so that only the chosen file is read in full."""
+    held = []
+    for _, path in checkpoint_files(out_dir):
+        try:
+            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
+        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
+            warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:100]})")
+    for step, path in sorted(held, reverse=True):
+        try:
+            return path, read_checkpoint(path)
+        except UserError as e:
+            warn(f"warning: skipping {path}: {e}")
+    return None, None
+
+
+# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
+RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
+            "grad_clip", "seed")
+
+
+def resume_checkpoint(cfg, given, say):
+    """THE resume decision: the checkpoint to continue from, or None for a fresh run. resume=false refuses
+    an out_dir that holds checkpoints (another run's), true needs one, auto takes one if there is one.
+    A model shape (or init_from) the user set that differs from the checkpoint's is refused; the other
+    RUN_KEYS are set from the checkpoint, any that changed reported in one line. Only safe keys
+    (intervals, max_steps, device, precision, micro-batch, time_limit, ...) come from the new config."""
+    files = checkpoint_files(cfg.out_dir)
+    how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
+    if cfg.resume == "false":
+        if files:
+            raise UserError(f"out_dir {cfg.out_dir!r} holds another run's checkpoints ({os.path.basename(files[0][1])}): {how}")
+        return None
+    if not files:
+        if cfg.resume == "true":
+            raise UserError(f"resume=true but {cfg.out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at the run")
+        return None
+    path, ckpt = latest_checkpoint(cfg.out_dir, warn=say)
+    if ckpt is None:
+        raise UserError(f"out_dir {cfg.out_dir!r} holds ckpt_*.pt files but none is readable: choose another --out_dir")
+    saved, model_args = ckpt.get("config", {}), ckpt["model_args"]
+    for key in MODEL_KEYS + ("init_from",):
+        have = model_args.get(key) if key in MODEL_KEYS else saved.get(key, cfg.init_from)
+        if key in given and getattr(cfg, key) != have:
+            raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as asked: "
+                            f"choose another --out_dir for a new run (or drop {key} to continue this one)")
+    changed = [f"{k}={saved[k]!r} (not {getattr(cfg, k)!r})" for k in RUN_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    for k in RUN_KEYS:
+        setattr(cfg, k, saved.get(k, getattr(cfg, k)))
+    if changed:
+        say(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the run; "
+            f"to change them start a new run in another out_dir")
+    ckpt["path"] = path
+    return ckpt
+
+
+def prune_checkpoints(out_dir, step, keep_last):
+    """Once ckpt_{step} is in place: delete the checkpoints older than it but the keep_last - 1 newest
+    (keep_last 0: keep all), and the .tmp left by a save that was killed. Higher-numbered files (an
+    unreadable one that resume skipped) are left alone."""
+    for name in os.listdir(out_dir):
+        if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
+            os.remove(os.path.join(out_dir, name))
+    older = [path for s, path in checkpoint_files(out_dir) if s < step]
+    for path in older[keep_last - 1:] if keep_last > 0 else []:
+        os.remove(path)
 
 
 def rng_state(device):
@@ -382,8 +472,9 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, device, master=True):
-    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes."""
+def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, device, master=True, **extra):
+    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes.
+    extra: the loop's own state (whether the evals at this step ran, the skip guard's history)."""
     model_state, optimizer_state = full_state(raw_model, optimizer)  # full CPU tensors on rank 0
     if not master:
         return
@@ -396,10 +487,43 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, devic
         "config": dataclasses.asdict(cfg),
         "loader": loader.state_dict(),
         "rng": rng_state(device),
+        **extra,
     }
     with replacing(path) as tmp:  # never a half-written checkpoint under the real name
         torch.save(ckpt, tmp)
 
+
+def finite_state(raw_model, optimizer, device):
+    """Whether the weights and the optimizer state are all finite (checked before every save), agreed
+    over the ranks (under FSDP each holds its own shards)."""
+    tensors = list(raw_model.parameters()) + [v for state in optimizer.state.values() for v in state.values()
+                                              if torch.is_tensor(v) and v.is_floating_point()]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP: this rank's shard
+    ok = bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
+    return precision.agree(float(ok), "min", device) == 1.0
+
+
+def trim_log(path, step, keep_evals):
+    """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has no
+    duplicates: every row from step on, except the evals at step itself when the checkpoint was written
+    after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        at = row.get("step", -1) if isinstance(row, dict) else -1
+        if at < step or (at == step and keep_evals and "loss" not in row):
+            keep.append(line)
+    if len(keep) < len(lines):
+        with replacing(path) as tmp:
+            with open(tmp, "w") as f:
+                f.write("".join(line + "\n" for line in keep))
 
 # -----------------------------------------------------------------------------
 # one optimizer step, evaluation, sampling
@@ -425,11 +549,12 @@ def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp, b
     return loss_accum
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss):
+def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss, is_outlier=None):
     """Unscale (fp16), clip, step, update the loss scale. A step whose loss or gradients hold inf/nan
     is skipped in every precision: the fp16 GradScaler skips it (and lowers its scale), otherwise it is
-    skipped here, so the weights never go non-finite. Returns (loss, gradient norm before clipping,
-    whether the update was applied), read from the GPU in one transfer."""
+    skipped here, so the weights never go non-finite. is_outlier(loss, norm) -> True skips a finite
+    step too (the loss scale is left as it is). Returns (loss, gradient norm before clipping, whether
+    the update was applied), read from the GPU in one transfer."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -438,13 +563,15 @@ def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss):
         norm = norm.full_tensor()
     loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # the step's one host sync
     finite = math.isfinite(loss) and math.isfinite(norm)
+    apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if scaler.is_enabled():
-        scaler.step(optimizer)  # skips by itself when the (unscaled) gradients hold inf/nan
+        if apply or not finite:
+            scaler.step(optimizer)  # skips by itself when the (unscaled) gradients hold inf/nan
         scaler.update()
-    elif finite:
+    elif apply:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss, norm, finite
+    return loss, norm, apply
 
 
 @torch.no_grad()
@@ -546,6 +673,92 @@ def compile_probe(B, T, vocab_size, device, plan):
 
 
 # -----------------------------------------------------------------------------
+# surviving the session: signals, the time limit, divergence
+
+
+class Diverged(Exception):
+    """The run cannot go on (steps skipped in a row, non-finite weights): one line, exit code 3."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: quit now, without saving."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def catch_stop_signals():
+    """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
+    current optimizer step and saves); a second one raises Stopped wherever the loop is (a save in
+    progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores both
+    once its last checkpoint is written; main() puts the previous handlers back. The handler prints nothing: a print inside it can collide with one in progress."""
+    got = []
+
+    def handler(signum, frame):
+        if got:
+            raise Stopped(signum)
+        got.append(signum)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    return got
+
+
+def resume_command(argv, ddp):
+    """The command line that continues this run, as typed from the same directory."""
+    args = [a for a in argv if not a.startswith("--resume=")] + ["--resume=true"]
+    script = os.path.relpath(os.path.abspath(__file__))
+    launcher = [os.path.basename(sys.executable)]
+    if ddp:
+        nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        launcher = ["torchrun", "--standalone" if nodes == 1 else f"--nnodes={nodes}",
+                    f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
+    return shlex.join(launcher + [script] + args)
+
+
+OUTLIER_WINDOW = 128  # steps of history for the outlier test (llm.c's window)
+
+
+class Guard:
+    """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops the
+    run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient norm
+    is more than z standard deviations above its mean over the last OUTLIER_WINDOW steps (the test
+    starts once the window is full; every finite step goes into it, llm.c-style, so a lasting shift
+    is absorbed). Its state is saved in checkpoints: a resumed run skips the same steps."""
+
+    def __init__(self, z, max_skipped, state=None):
+        self.z, self.max_skipped = z, max_skipped
+        state = state or {}
+        self.history = {k: deque(state.get(k, []), maxlen=OUTLIER_WINDOW) for k in ("loss", "norm")}
+        self.in_a_row = state.get("in_a_row", 0)
+
+    def is_outlier(self, loss, norm):
+        return self.z > 0 and any(zscore(self.history[k], v) > self.z for k, v in (("loss", loss), ("norm", norm)))
+
+    def update(self, loss, norm, applied):
+        """After a step: True when it was the max_skipped-th skipped in a row."""
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.history["loss"].append(loss)
+            self.history["norm"].append(norm)
+        self.in_a_row = 0 if applied else self.in_a_row + 1
+        return 0 < self.max_skipped <= self.in_a_row
+
+    def state_dict(self):
+        return {"loss": list(self.history["loss"]), "norm": list(self.history["norm"]), "in_a_row": self.in_a_row}
+
+
+def zscore(window, x):
+    """How many standard deviations x is above the window's mean; 0 until the window is full."""
+    if len(window) < window.maxlen:
+        return 0.0
+    mean = sum(window) / len(window)
+    std = math.sqrt(sum((v - mean) ** 2 for v in window) / len(window))
+    return (x - mean) / std if std > 0 else 0.0
+
+# -----------------------------------------------------------------------------
 # the training loop
 
 
@@ -557,18 +770,32 @@ def main(argv):
         if master:
             print(help_text())
         return 0
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         return train(argv, ddp, rank, master)
     except UserError as e:
         if master:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Diverged as e:
+        if master:
+            print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt as e:  # Ctrl-C before training began, or a second one while stopping
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        if master:
+            print(f"{signal.Signals(signum).name}: stopped at once, nothing saved (the checkpoints in out_dir are as they were)",
+                  file=sys.stderr)
+        return 128 + signum
     finally:
         if ddp and dist.is_initialized():
             dist.destroy_process_group()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def train(argv, ddp, rank, master):
+    started = time.time()  # time_limit counts from here
     say = print if master else (lambda *a, **k: None)
     cfg, given = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -596,15 +823,17 @@ def train(argv, ddp, rank, master):
     for split in ("train", "val"):
         shard_paths(cfg.data_dir, split)
 
-    # model, optimizer, loss scaler: fresh or from the newest checkpoint
+    # model, optimizer, loss scaler: fresh or from the newest checkpoint (resume_checkpoint decides)
+    ckpt = resume_checkpoint(cfg, given, say)
+    evals_done = ckpt is not None and ckpt.get("evals_done", True)  # False: the evals at its step are still to run
+    if ckpt is not None and (ckpt["step"] > cfg.max_steps or ckpt["step"] == cfg.max_steps and evals_done):
+        say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
+            f"raise --max_steps to train on, or choose another --out_dir")
+        return 0
     torch.manual_seed(cfg.seed)
-    ckpt = None
-    if cfg.resume:
-        path = latest_checkpoint(cfg.out_dir)
-        if path is None:
-            raise UserError(f"resume=true but {cfg.out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at the run")
-        ckpt = read_checkpoint(path)  # one clear line for a truncated or foreign file
+    if ckpt is not None:
         raw_model = GPT.from_checkpoint(ckpt)
+        given.add("seq_len")  # the checkpoint's: not to be fitted to the GPU again
     else:
         raw_model = build_model(cfg, verbose=master)
     for k in MODEL_KEYS:  # the model decides its shape (pretrained weights, checkpoints)
@@ -633,15 +862,15 @@ def train(argv, ddp, rank, master):
     train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
     val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
 
-    start_step = 0
+    start_step, guard_state, newest = 0, None, None
     if ckpt is not None:
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
         if ckpt["scaler"] and plan.grad_scaler:
             scaler.load_state_dict(ckpt["scaler"])
         train_loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"], device)
-        start_step = ckpt["step"]
-        say(f"resuming from {path} at step {start_step}")
+        start_step, guard_state, newest = ckpt["step"], ckpt.get("guard"), ckpt["path"]
+        say(f"resuming from {ckpt['path']} at step {start_step}")
         del ckpt
     # compile with static shapes; a compiler that fails costs one warning, and every rank then runs eager
     model = precision.compile_model(raw_model, plan, compile_probe(B, T, cfg.vocab_size, device, plan), warn=say)
@@ -664,14 +893,41 @@ def train(argv, ddp, rank, master):
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         write_json(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
+        trim_log(os.path.join(cfg.out_dir, "log.jsonl"), start_step, keep_evals=evals_done)  # no rows twice
         runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb_project, cfg.wandb_run_name)
     timer = logger.StepTimer()
     flops_tok = flops_per_token(raw_model, T)
 
+    # surviving the session: the skip guard, the time limit, the last save
+    guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, guard_state)
+    deadline = started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf
+    redo = start_step > 0 and not evals_done  # resumed from a stop checkpoint: its step's evals are still to run
+    last_save = {"path": newest, "at": time.time(), "seconds": raw_model.num_params(non_embedding=False) * 12 / 100e6}
+    longest = step_s = 0.0  # the longest loop iteration so far (evals included), the last optimizer step
+
+    def checkpoint(step, evals_done):
+        """Every rank checks that the state is finite (so that all stop alike); rank 0 writes it, then
+        deletes the checkpoints keep_last no longer keeps. Returns its path."""
+        if not finite_state(raw_model, optimizer, device):
+            raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
+                           f"so it is not written: the run diverged (newest checkpoint: {last_save['path'] or 'none'}); "
+                           f"lower max_lr or set grad_clip and start again")
+        t = time.time()
+        path = checkpoint_path(cfg.out_dir, step)
+        save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, device, master,
+                        evals_done=evals_done, guard=guard.state_dict())
+        if master:
+            prune_checkpoints(cfg.out_dir, step, cfg.keep_last)
+            say(f"step {step:6d} | saved {path}")
+        last_save.update(path=path, at=time.time(), seconds=1.5 * (time.time() - t))
+        return path
+
+    code, clock_due, signals = 0, False, catch_stop_signals()
     plotted_at = -math.inf
     for step in range(start_step, cfg.max_steps + 1):
+        t_iter = time.time()
         last = step == cfg.max_steps
-        fresh = step > start_step or start_step == 0  # a resumed run already did this step's evals
+        fresh = step > start_step or start_step == 0 or redo  # a resumed run already did this step's evals
         do_eval = fresh and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last)
         do_hellaswag = fresh and hs_examples is not None and (step % cfg.hellaswag_interval == 0 or last)
         if do_eval:
@@ -691,10 +947,8 @@ def train(argv, ddp, rank, master):
         if fresh and master and cfg.sample_interval > 0 and step > 0 and (step % cfg.sample_interval == 0 or last):
             for text in sample(raw_model, cfg, device, plan):
                 say(f"sample: {text!r}")
-        if step > start_step and (last or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
-            path = checkpoint_path(cfg.out_dir, step)
-            save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, train_loader, device, master)
-            say(f"step {step:6d} | saved {path}")
+        if (step > start_step or redo) and (last or clock_due or cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0):
+            checkpoint(step, evals_done=True)
         if last:
             break
 
@@ -703,28 +957,51 @@ def train(argv, ddp, rank, master):
         lr = get_lr(step, cfg)
         with logger.micro_step_bar(grad_accum, master) as bar:  # on a terminal, once a step takes > 5 s
             loss = accumulate_gradients(train_model, train_loader, grad_accum, device, plan, scaler, wrap_ddp, bar)
-        if ddp:
-            dist.all_reduce(loss)  # SUM, then the mean over ranks: every rank sees the same loss and skips alike
-            loss /= world_size
-        loss, norm, applied = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr, loss)
+        # after this step: stop for a signal or the time limit (too little left for a step and a save)? save by the clock?
+        now = time.time()
+        out_of_time = now + longest + step_s + last_save["seconds"] > deadline
+        clock_due = cfg.checkpoint_minutes > 0 and now - last_save["at"] > cfg.checkpoint_minutes * 60
+        asks = [sig in signals for sig in STOP_SIGNALS] + [out_of_time, clock_due]
+        if ddp:  # one all_reduce (SUM): the mean loss, and how many ranks ask for each: every rank decides alike
+            stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
+            dist.all_reduce(stats)
+            loss = stats[0] / world_size
+            asks = [n > 0 for n in stats[1:].tolist()]
+        *signalled, out_of_time, clock_due = asks
+        stop_signal = next((sig for sig, ask in zip(STOP_SIGNALS, signalled) if ask), None)
+        loss, norm, applied = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr, loss, guard.is_outlier)
         dt = time.time() - t0  # optimizer_step read loss and norm from the GPU: the step is done
         tok_per_s = tokens_per_step / dt
         mfu = precision.estimate_mfu(flops_tok, tok_per_s / world_size, plan.device_name, plan.dtype, plan.tf32)
-        skipped = "" if applied and math.isfinite(norm) else " (skipped: inf/nan loss or gradients)"
+        why = "" if applied else "inf/nan loss or gradients" if not (math.isfinite(loss) and math.isfinite(norm)) else "outlier"
         eta = timer.eta(dt, cfg.max_steps - step - 1)
-        say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
+        say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{why and f' (skipped: {why})'} | "
             f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
             f"ETA {logger.fmt_duration(eta)}")
         if step == start_step and master:
             say(precision.memory_summary(raw_model, optimizer, device, micro_batch=B, seq_len=T, dtype=plan.dtype))
         if master:
             runlog.write({"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
-                          "dt_ms": dt * 1000, "tok_per_s": tok_per_s}, mfu=mfu, **logger.memory_stats(device))
+                          "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
+                         mfu=mfu, **logger.memory_stats(device))
+        step_s, longest = dt, max(longest, time.time() - t_iter)
+        if guard.update(loss, norm, applied):
+            raise Diverged(f"the run diverged: {guard.in_a_row} optimizer steps in a row were skipped ({why}), "
+                           f"the last at step {step} (newest checkpoint: {last_save['path'] or 'none'}); lower max_lr or "
+                           f"set grad_clip and start again")
+        if stop_signal or out_of_time:
+            path = checkpoint(step + 1, evals_done=False)
+            reason = stop_signal.name if stop_signal else f"time_limit={cfg.time_limit:g} min"
+            say(f"{reason}: stopped after step {step}, saved {path}; resume with: {resume_command(argv, ddp)}")
+            code = 128 + stop_signal if stop_signal else 124
+            break
     if master:
         runlog.close()
+    for sig in STOP_SIGNALS:  # saved: a late signal (torchrun stopping the ranks that are still here) changes nothing
+        signal.signal(sig, signal.SIG_IGN)
     if ddp:
         dist.barrier()  # rank 0 may still be writing the last checkpoint: leave together
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -21,3 +21,6 @@ eval_interval = 250
 hellaswag_interval = 250
 sample_interval = 250
 checkpoint_interval = 5000
+checkpoint_minutes = 60  # and after each hour of training (5000 steps of 124M take ~1 day on a T4)
+keep_last = 2  # older checkpoints are deleted once a newer one is in place
+resume = "auto"  # the same command continues the run in out_dir after Ctrl-C, a kill or a time_limit

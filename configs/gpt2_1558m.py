@@ -19,3 +19,6 @@ eval_interval = 250
 hellaswag_interval = 500
 sample_interval = 500
 checkpoint_interval = 1000
+checkpoint_minutes = 60  # and after each hour of training (5000 steps of 124M take ~1 day on a T4)
+keep_last = 2  # older checkpoints are deleted once a newer one is in place
+resume = "auto"  # the same command continues the run in out_dir after Ctrl-C, a kill or a time_limit

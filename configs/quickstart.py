@@ -28,3 +28,4 @@ sample_tokens = 40
 num_samples = 3
 sample_prompt = "The for statement"
 checkpoint_interval = 0
+resume = "auto"  # Ctrl-C saves a checkpoint; the same command then continues from it

@@ -159,7 +159,7 @@ def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
                                    Config(), loader, "cpu")
     assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
     shutil.copy(good, tmp_path / "ckpt_000004.pt")
-    assert train_gpt2.latest_checkpoint(str(tmp_path)) == path  # newest by step; the .tmp is not a candidate
+    assert train_gpt2.latest_checkpoint(str(tmp_path))[0] == path  # newest by step; the .tmp is not a candidate
 
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
@@ -276,8 +276,8 @@ def test_shipped_configs_parse(name):
 def test_config_file_then_override(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
-    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=true", "--min_lr=1e-5"])
-    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, True, 1e-5)
+    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
+    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
     assert isinstance(cfg.max_lr, float) and given == {"n_layer", "max_lr", "seq_len", "resume", "min_lr"}
 
 # -----------------------------------------------------------------------------
@@ -294,7 +294,7 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (["--n_layers=2"], "unknown config key 'n_layers' (did you mean 'n_layer'?)"),
     (["--max_steps=abc"], "--max_steps=abc is not an integer"),
     (["--max_lr=fast"], "--max_lr=fast is not a number"),
-    (["--resume=maybe"], "is not true or false"),
+    (["--resume=maybe"], "resume must be one of false, true, auto; got 'maybe'"),
     (["--precision=bf17"], "precision must be one of auto, bf16, fp16, fp32"),
     (["--compile=yes"], "compile must be one of auto, true, false"),
     (["--device=tpu"], "device 'tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
@@ -302,7 +302,7 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (["configs/nope.py"], "config file 'configs/nope.py' not found"),
     (lambda t: [bad_config(t, "n_layers = 2\n")], "unknown config key 'n_layers'"),
     (lambda t: [bad_config(t, "max_steps = '10'\n")], "max_steps must be an integer, got '10'"),
-    (lambda t: [bad_config(t, "resume = 1\n")], "resume must be true or false, got 1"),
+    (lambda t: [bad_config(t, "resume = 1\n")], "resume must be true, false or auto, got 1"),
     (lambda t: [bad_config(t, "n_layer = = 2\n")], "does not run: SyntaxError"),
     (["--total_batch_size=100"], "total_batch_size=100 is not a multiple of micro_batch_size x seq_len x world_size"),
     (["--seq_len=64", "--total_batch_size=128"], "seq_len=64 is longer than block_size=32"),
