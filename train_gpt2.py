@@ -16,6 +16,7 @@ and `--time_limit=MINUTES` finish the step, save and print the command that cont
 import bisect
 import dataclasses
 import difflib
+import errno
 import importlib.util
 import inspect
 import io
@@ -43,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import logger
 import plot
 import precision
-from fileio import UserError, replacing, write_json
+from fileio import UserError, fail, replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, read_checkpoint
 from sharding import full_state, load_optimizer_state, shard_model
 
@@ -199,13 +200,16 @@ def validate(cfg):
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
                 "sample_tokens", "checkpoint_interval", "checkpoint_minutes", "keep_last", "time_limit",
                 "max_skipped", "skip_outliers_z", "max_lr", "min_lr", "weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
+        if not getattr(cfg, key) >= 0:  # (NaN fails this too)
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     for key in ("max_lr", "min_lr"):  # (NaN fails this too)
         if not getattr(cfg, key) < 1e37:
             raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 above ~3e37")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    for key in ("data_dir", "out_dir"):
+        if os.path.isfile(getattr(cfg, key)):
+            raise UserError(f"{key} {getattr(cfg, key)!r} is a file; {key} is a folder: move the file or choose another {key}")
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # before anything slow
 
 
@@ -262,6 +266,20 @@ def shard_paths(data_dir, split):
     return paths
 
 
+def load_shard(path):
+    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated or
+    foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
+    try:
+        shard = np.load(path, mmap_mode="r")
+    except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
+        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with fineweb.py") from None
+    if not isinstance(shard, np.ndarray) or shard.dtype != np.uint16 or shard.ndim != 1:
+        what = f"{shard.dtype} {tuple(shard.shape)}" if isinstance(shard, np.ndarray) else "an .npz archive"
+        raise UserError(f"{path} holds {what}, not the 1-D uint16 tokens fineweb.py writes")
+    return shard
+
+
 class TokenLoader:
     """(B, T) batches of consecutive tokens from one split. Its shards are read as one stream that wraps
     around at its end; a batch may straddle two shards, so no token is skipped at a shard boundary.
@@ -272,10 +290,7 @@ class TokenLoader:
     def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None):
         self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
         self.paths = shard_paths(data_dir, split)
-        self.shards = [np.load(p, mmap_mode="r") for p in self.paths]  # memory-mapped: pages in on demand
-        for path, shard in zip(self.paths, self.shards):
-            if shard.dtype != np.uint16 or shard.ndim != 1:
-                raise UserError(f"{path} holds {shard.dtype} {tuple(shard.shape)}, not the 1-D uint16 tokens fineweb.py writes")
+        self.shards = [load_shard(p) for p in self.paths]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards]).tolist()  # shard i starts at offsets[i]
         self.n_tokens = self.offsets[-1]
         if self.n_tokens <= B * T:
@@ -489,8 +504,11 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, devic
         "rng": rng_state(device),
         **extra,
     }
-    with replacing(path) as tmp:  # never a half-written checkpoint under the real name
-        torch.save(ckpt, tmp)
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # never a half-written checkpoint under the real name
+        try:
+            torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
+        except RuntimeError as e:  # torch's own report of a short write
+            raise OSError(errno.EIO, f"could not write {path} ({str(e).strip()[:200]})") from None
 
 
 def finite_state(raw_model, optimizer, device):
@@ -773,10 +791,8 @@ def main(argv):
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         return train(argv, ddp, rank, master)
-    except UserError as e:
-        if master:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as e:  # bad input: 2; a full disk or I/O error while writing: 1
+        return fail(e, quiet=not master)
     except Diverged as e:
         if master:
             print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
 bit-exact resume, configs, and the one-line errors. Tiny models (1 layer, 32 wide, 64-token vocab)."""
 import copy
+import errno
 import json
 import math
 import os
@@ -140,7 +141,8 @@ def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
 
 
 def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
-    """A save that dies half-way leaves the previous checkpoint intact, and resume ignores the debris."""
+    """A save that dies half-way (a full disk) leaves the previous checkpoint intact and no debris, and
+    resume ignores what a killed machine leaves: a .tmp, a truncated checkpoint, a file of another name."""
     good = os.path.join(straight_run, "ckpt_000008.pt")
     path = str(tmp_path / "ckpt_000008.pt")
     shutil.copy(good, path)
@@ -149,17 +151,26 @@ def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
 
     def dying_save(obj, f):
-        with open(f, "wb") as fh:
-            fh.write(b"half a checkpoint")
-        raise OSError("disk full")
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", dying_save)
     loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="No space left"):
         train_gpt2.save_checkpoint(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 9,
                                    Config(), loader, "cpu")
+    monkeypatch.undo()
     assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone
+
+    # the debris of a killed machine, all holding or claiming steps newer than 8
     shutil.copy(good, tmp_path / "ckpt_000004.pt")
-    assert train_gpt2.latest_checkpoint(str(tmp_path))[0] == path  # newest by step; the .tmp is not a candidate
+    torch.save({**ckpt, "step": 12}, tmp_path / "ckpt_000012.pt.tmp")  # complete, but never renamed
+    torch.save({**ckpt, "step": 13}, tmp_path / "ckpt_best.pt")  # a copy the user made: not ours to resume
+    data = open(good, "rb").read()
+    open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
+    warnings = []
+    assert train_gpt2.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
+    assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
 
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
@@ -352,7 +363,6 @@ def test_cli_errors_exit_nonzero_without_traceback(tmp_path):
 
 
 def test_quickstart_prepares_its_corpus_and_trains(tmp_path, capsys):
-    pytest.importorskip("fineweb")
     data, out = str(tmp_path / "data"), str(tmp_path / "out")
     args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={data}", f"--out_dir={out}",
             "--max_steps=2", "--micro_batch_size=2", "--seq_len=32", "--total_batch_size=64", "--eval_interval=2",
