@@ -103,7 +103,8 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
     if data_file is not None:
         path = data_file
         if not os.path.isfile(path):
-            raise HellaSwagError(f"{path}: no such file (expected HellaSwag jsonl rows)")
+            what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+            raise HellaSwagError(f"{path}: {what} (expected HellaSwag jsonl rows)")
     else:
         if split not in SPLITS:
             raise HellaSwagError(f"unknown split {split!r}: use train, val or test")

@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -250,8 +251,7 @@ class GPT(nn.Module):
             return cls(config or GPTConfig())
         if spec.endswith(".pt") or os.path.isfile(spec):
             return cls.from_checkpoint(spec)
-        if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")) \
-                and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
+        if os.path.isdir(spec) and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
             raise UserError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
         return cls.from_pretrained(spec, verbose=verbose)
 
@@ -355,8 +355,8 @@ def read_checkpoint(path, map_location="cpu"):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
-        why = "not a torch.save file" if isinstance(e, pickle.UnpicklingError) else \
-            (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete else "not a complete torch.save file"
         raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another file?)") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
         raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")

@@ -161,6 +161,8 @@ def parse_value(key, text):
 
 def read_config_file(path):
     """The assignments of a config file: {name: value}, names starting with _ and imports left out."""
+    if os.path.isdir(path):
+        raise UserError(f"config file {path!r} is a folder: pass a file such as configs/quickstart.py")
     if not os.path.isfile(path):
         raise UserError(f"config file {path!r} not found (options are written --key=value)")
     ns = {}
