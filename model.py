@@ -157,8 +157,10 @@ class GPT(nn.Module):
             x = block(x, attn_mask)
         return self.transformer.ln_f(x)  # (B, T, C)
 
-    def forward(self, idx, targets=None):
-        logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab_size)
+    def forward(self, idx, targets=None, pos=None, attn_mask=None):
+        """Logits (B, T, vocab_size) and the mean loss over targets (or None). pos and attn_mask are
+        for packed sequences (see hidden_states): a compiled model takes them through here."""
+        logits = self.lm_head(self.hidden_states(idx, pos, attn_mask))  # (B, T, vocab_size)
         loss = None
         if targets is not None:  # mean cross-entropy; targets of -1 are masked out
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
