@@ -14,12 +14,14 @@ predicted. Each example is packed into one row ctx + end1 + end2 + end3 + end4 (
 positions that follow the context, seeing only the context and itself), so the context is computed once
 instead of 4 times; examples that do not fit block_size that way use 4 rows ctx + ending_i. Rows are
 right-padded, padding never scored; score_one() is the plain one-example reference. A compiled model
-(torch.compile) takes the same packed rows, padded to one fixed shape per evaluation so it compiles once.
+(torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles once, with short
+examples sharing a row rather than padding it.
 
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
 """
 import argparse
+import bisect
 import json
 import os
 import random
@@ -218,38 +220,66 @@ def packable(example, block_size):
             and packed_len(example) <= block_size)
 
 
-def collate_packed(batch, shape=None):
-    """One row per example, ctx + end1 + end2 + end3 + end4 (each ending without its last token, see
-    packed_len), right-padded to the longest (or to a fixed (B, T) shape: extra rows are all padding):
-    each ending's position ids restart at len(ctx) and the mask lets it see the context and itself
-    only, so it is scored exactly as the row ctx + ending, but the context goes through the model once.
+def pack_rows(examples, T):
+    """Best-fit decreasing: each example (packed_len tokens) goes into the row of T tokens with the
+    least room that still holds it, else a new row. Returns the rows, lists of examples."""
+    rows, free = [], []  # free: sorted (tokens left, row number)
+    for ex in sorted(examples, key=packed_len, reverse=True):
+        n = packed_len(ex)
+        i = bisect.bisect_left(free, (n, -1))
+        if i == len(free):
+            rows.append([ex])
+            left, r = T - n, len(rows) - 1
+        else:
+            left, r = free.pop(i)
+            rows[r].append(ex)
+            left -= n
+        bisect.insort(free, (left, r))
+    return rows
+
+
+def collate_packed(rows, shape=None):
+    """Packed rows: each example is ctx + end1 + end2 + end3 + end4 (each ending without its last
+    token, see packed_len), and a row holds one or more examples one after the other, right-padded to
+    the longest row (or to a fixed (B, T) shape: extra rows are all padding). Each ending's position
+    ids restart at len(ctx) and the mask lets it see its own context and itself only, so it is scored
+    exactly as the row ctx + ending, but the context goes through the model once, not 4 times.
     Returns idx, pos_ids (B, T), attn_mask (B, 1, T, T) and, for every scored token: its row, the
-    position that predicts it, the token, its ending (4 * example + i) (N,) each; counts (4B,)."""
-    B, T = shape or (len(batch), max(packed_len(ex) for ex in batch))
+    position that predicts it, the token, its ending (4 * example + i, examples numbered row by row)
+    (N,) each; counts (4E,) for the E examples."""
+    B, T = shape or (len(rows), max(sum(packed_len(ex) for ex in row) for row in rows))
     idx = torch.zeros(B, T, dtype=torch.long)
     pos_ids = torch.zeros(B, T, dtype=torch.long)
     seg = torch.full((B, T), -1)  # 0 context, 1..4 ending, -1 padding
+    ex_id = torch.full((B, T), -1)  # which example of the batch, -1 padding
     seq_id, pos, tgt, row_id = [], [], [], []
-    for b, ex in enumerate(batch):
-        ctx = ex["ctx_tokens"]
-        C = len(ctx)
-        idx[b, :C], pos_ids[b, :C], seg[b, :C] = torch.tensor(ctx), torch.arange(C), 0
-        at = C
-        for i, end in enumerate(ex["ending_tokens"]):
-            E = len(end) - 1  # tokens fed in
-            idx[b, at:at + E] = torch.tensor(end[:-1], dtype=torch.long)
-            pos_ids[b, at:at + E] = torch.arange(C, C + E)
-            seg[b, at:at + E] = i + 1
-            seq_id += [b] * (E + 1)
-            pos += [C - 1] + list(range(at, at + E))  # the context's last token predicts the first
-            tgt += end
-            row_id += [4 * b + i] * (E + 1)
-            at += E
+    e = 0
+    for b, row in enumerate(rows):
+        at = 0
+        for ex in row:
+            ctx = ex["ctx_tokens"]
+            C = len(ctx)
+            idx[b, at:at + C], pos_ids[b, at:at + C], seg[b, at:at + C] = torch.tensor(ctx), torch.arange(C), 0
+            ex_id[b, at:at + packed_len(ex)] = e
+            last_ctx = at + C - 1  # the context's last token predicts each ending's first
+            at += C
+            for i, end in enumerate(ex["ending_tokens"]):
+                E = len(end) - 1  # tokens fed in
+                idx[b, at:at + E] = torch.tensor(end[:-1], dtype=torch.long)
+                pos_ids[b, at:at + E] = torch.arange(C, C + E)
+                seg[b, at:at + E] = i + 1
+                seq_id += [b] * (E + 1)
+                pos += [last_ctx] + list(range(at, at + E))
+                tgt += end
+                row_id += [4 * e + i] * (E + 1)
+                at += E
+            e += 1
     q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
+    same = ex_id[:, :, None] == ex_id[:, None, :]  # (B, T, T) same example; padding sees only padding
     causal = pos_ids[:, None, :] <= pos_ids[:, :, None]  # (B, T, T) key position <= query position
-    attn_mask = (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal  # padding sees only padding
+    attn_mask = same & (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal
     row_id = torch.tensor(row_id)
-    counts = torch.bincount(row_id, minlength=4 * B)  # (4B,)
+    counts = torch.bincount(row_id, minlength=4 * e)  # (4E,)
     return idx, pos_ids, attn_mask[:, None], torch.tensor(seq_id), torch.tensor(pos), torch.tensor(tgt), row_id, counts
 
 
@@ -275,27 +305,30 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
-    summed over ranks with all_reduce. Each example is one packed row (collate_packed) where ctx + 4
-    endings fit block_size, else 4 rows (collate). An eager model pads each batch to its own longest row;
-    a compiled model pads every packed batch to one fixed (batch_size, T) shape (T: this rank's longest
-    packed row, rounded up to 16) and every 4-row batch to (4 * batch_size, T'), so it compiles once per
-    path and evaluation set, not once per batch.
+    summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit
+    block_size, else it is 4 rows (collate). An eager model gets one example per packed row, each batch
+    padded to its own longest row. A compiled model gets one fixed shape per path, so it compiles once
+    per evaluation set, not once per batch: batch_size packed rows of T tokens (T: this rank's longest
+    packed example, rounded up to 16), short examples sharing a row (pack_rows) instead of padding,
+    and (4 * batch_size, T') for the 4-row examples.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
     local = examples[rank::world_size]
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
-    # one packed row per example where it fits, else 4 rows; similar lengths together
+    # packed where it fits, else 4 rows; similar lengths together
     packed = sorted([ex for ex in local if packable(ex, block_size)], key=packed_len, reverse=True)
     rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
-    batches = ([(packed[i:i + batch_size], True) for i in range(0, len(packed), batch_size)] +
-               [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
+    packed_rows = [[ex] for ex in packed]
     packed_shape = rows_shape = None  # eager: each batch padded only to its own longest row
     if is_compiled(model) and packed:  # T a multiple of 16: the memory-efficient kernel wants aligned mask rows
         packed_shape = (batch_size, min(-(-packed_len(packed[0]) // 16) * 16, block_size))
+        packed_rows = pack_rows(packed, packed_shape[1])
     if is_compiled(model) and rows:
         rows_shape = (4 * batch_size, min(-(-longest(rows[0]) // 8) * 8, block_size))
+    batches = ([(packed_rows[i:i + batch_size], True) for i in range(0, len(packed_rows), batch_size)] +
+               [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
     was_training = raw.training
     raw.eval()
     results, n_cut, correct, correct_norm = [], 0, 0, 0
@@ -306,7 +339,7 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
         for batch, is_packed in batches:
             if is_packed:
                 idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch, packed_shape)
-                cut = 0
+                batch, cut = [ex for row in batch for ex in row], 0
             else:
                 idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
                 pos_ids = attn_mask = seq_id = None

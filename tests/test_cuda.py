@@ -80,6 +80,29 @@ def test_hellaswag_on_gpu_equals_cpu(hf_dir, tmp_path):
     assert [r["pred_norm"] for r in gpu["examples"]] == [r["pred_norm"] for r in cpu["examples"]]
 
 
+def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
+    """The in-training path: inductor on the GPU, packed rows with a mask at one fixed shape, several
+    examples per row. fp32 (TF32 off): the predictions of the eager CPU run; the GPU's own plan
+    (bf16, its SDPA kernel list): runs, compiles once, and mostly agrees."""
+    examples = hellaswag.load_examples(data_file=write_rows(tmp_path / "rows.jsonl", make_rows(24)))
+    model = GPT.load(hf_dir, verbose=False)
+    cpu = hellaswag.evaluate(model, examples, plan=precision.make_plan("cpu"), batch_size=8)
+    model.cuda()
+    fp32 = dataclasses.replace(precision.make_plan("cuda:0", "fp32"), tf32=False)
+    for plan, agree in ((fp32, 24), (precision.make_plan("cuda:0"), 20)):
+        torch._dynamo.reset()
+        compiled = precision.compile_model(model, dataclasses.replace(plan, compile=True))
+        precision.set_tf32(plan.tf32)
+        first = hellaswag.evaluate(compiled, examples, plan=plan, batch_size=8)
+        again = hellaswag.evaluate(compiled, examples, plan=plan, batch_size=8)
+        precision.set_tf32(False)
+        assert first["examples"] == again["examples"]
+        same = sum(a["pred"] == b["pred"] and a["pred_norm"] == b["pred_norm"]
+                   for a, b in zip(first["examples"], cpu["examples"]))
+        assert same >= agree, (plan.describe(), same)
+    torch._dynamo.reset()
+
+
 def test_finder_choice_runs():
     plan = precision.make_plan("cuda:0")
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hellaswag
-from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, packable,
-                       rows_of, score_one)
+from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
+                       packable, packed_len, rows_of, score_one)
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import make_plan
@@ -113,7 +113,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     rows = make_rows(9)
     ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
     assert all(packable(ex, 128) for ex in examples)
-    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(examples)
+    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed([[ex] for ex in examples])
     assert idx.shape == (9, max(hellaswag.packed_len(ex) for ex in examples))  # one row per example, padded
     with torch.no_grad():
         p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)
@@ -134,6 +134,39 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     assert calls == [4, 4, 1] and res["truncated"] == 0
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
     assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
+
+
+def test_examples_sharing_a_row_score_as_alone(model, examples):
+    """Several examples one after the other in a row (the compiled path's packing) see only their own
+    context: the losses equal one example per row, with SDPA and with the masked softmax."""
+    single = collate_packed([[ex] for ex in examples])
+    rows = [examples[0:3], examples[3:4], examples[4:9]]
+    T = max(sum(packed_len(ex) for ex in row) for row in rows)
+    shared = collate_packed(rows, shape=(4, T))  # and a padding row
+    assert shared[0].shape == (4, T) and T > model.config.block_size  # a row longer than any one example may be
+    sd = model.state_dict()  # the same weights with room for T positions (each example uses only its own < 128)
+    sd["transformer.wpe.weight"] = torch.cat([sd["transformer.wpe.weight"], torch.zeros(T - 128, 64)])
+    with torch.no_grad():
+        ref = batch_losses(model, *reorder(single))
+        for attn_impl in ("sdpa", "naive"):
+            wide = GPT(GPTConfig(**{**asdict(model.config), "attn_impl": attn_impl, "block_size": T})).eval()
+            wide.load_state_dict(sd)
+            got = batch_losses(wide, *reorder(shared))
+            for a, b in zip(ref, got):
+                assert torch.allclose(a, b, atol=1e-4), attn_impl
+    loop = torch.stack([score_one(model, ex)[0] for ex in examples])  # (9, 4)
+    assert torch.allclose(got[0].view(9, 4), loop, atol=1e-4)
+
+
+def test_pack_rows_fills_rows_best_fit():
+    lengths = [6, 5, 4, 3, 2, 9, 1, 1]
+    exs = [{"index": i, "ctx_tokens": [0] * n, "ending_tokens": [[0]] * 4} for i, n in enumerate(lengths)]
+    assert [packed_len(ex) for ex in exs] == lengths  # endings of 1 token feed nothing in
+    rows = pack_rows(exs, 10)
+    assert sorted(ex["index"] for row in rows for ex in row) == list(range(8))  # each example once
+    assert all(sum(packed_len(ex) for ex in row) <= 10 for row in rows)
+    assert [[packed_len(ex) for ex in row] for row in rows] == [[9, 1], [6, 4], [5, 3, 2], [1]]
+    assert pack_rows(exs[:1], 6) == [[exs[0]]]
 
 
 def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
@@ -263,8 +296,10 @@ def test_compiled_model_packs_compiles_once_and_mode_is_restored(model, examples
     again = evaluate(compiled, examples, plan=CPU, batch_size=4)
     model.eval()
     # packed rows at one fixed shape (4 rows, T a multiple of 16) for every batch, short or not, and call
-    T = -(-max(hellaswag.packed_len(ex) for ex in examples) // 16) * 16
-    assert calls == [(4, T)] * 6
+    T = -(-max(packed_len(ex) for ex in examples) // 16) * 16
+    n_rows = len(pack_rows(examples, T))
+    assert n_rows < 9  # short examples share rows
+    assert calls == [(4, T)] * (2 * -(-n_rows // 4))
     assert n_eval == 1 and len(graphs) == n_train + 1
     assert (4, T) in graphs[-1] and (4, T) in graphs[-1] and (4, 1, T, T) in graphs[-1]  # idx, pos ids, mask
     assert first["examples"] == again["examples"] == ref["examples"]
@@ -280,8 +315,8 @@ def test_compiled_packed_scores_equal_eager(model, examples):
     compiled = counting_compile(model, graphs, backend="aot_eager")
     batch = examples[:5]
     with torch.no_grad():
-        tight = batch_losses(model, *reorder(collate_packed(batch)))
-        padded = collate_packed(batch, shape=(8, 128))
+        tight = batch_losses(model, *reorder(collate_packed([[ex] for ex in batch])))
+        padded = collate_packed([[ex] for ex in batch], shape=(8, 128))
         assert padded[0].shape == (8, 128) and padded[2].shape == (8, 1, 128, 128)
         got = batch_losses(compiled, *reorder(padded))
     assert len(graphs) == 1
