@@ -21,6 +21,7 @@ import statistics
 import sys
 import textwrap
 import time
+import warnings
 
 import torch
 
@@ -127,8 +128,28 @@ def build(settings, size, seq_len, device, device_type):
     return raw, model, optimizer
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s text
+
+
+def count_syncs(fn, set_mode=None):
+    """Run fn() with torch.cuda.set_sync_debug_mode("warn") and count the host syncs it reported:
+    .item(), .tolist(), .cpu(), blocking copies, nonzero() and the like (what torch itself waits on;
+    a cudaMemcpyAsync from pageable memory stalls without a warning). The mode is restored however
+    fn ends. set_mode: for tests; CUDA only, the caller says n/a elsewhere."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every sync, not the first per line
+        set_mode("warn")
+        try:
+            fn()
+        finally:
+            set_mode("default")
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
+
+
 def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
-    """Median ms/step of `steps` synchronised steps after `warmup`, and peak memory (CUDA only)."""
+    """Median ms/step of `steps` synchronised steps after `warmup`, peak memory and the host syncs of
+    one more step (both CUDA only, else None)."""
     device_type = torch.device(device).type
     plan = rung_plan(device, settings)
     precision.set_tf32(plan.tf32)
@@ -148,8 +169,9 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
             times.append(time.perf_counter() - t0)
     ms = 1000 * statistics.median(times)
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
+    syncs = count_syncs(lambda: train_step(model, optimizer, scaler, x, y, plan)) if device_type == "cuda" else None
     fpt = flops_per_token(raw, seq_len)
-    return ms, fpt, peak
+    return ms, fpt, peak, syncs
 
 
 def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
@@ -161,11 +183,11 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
     try:
         for name, change, skip, note in ladder_rungs(plan, device_type, capability, force_compile):
             row = dict(name=name, ms_per_step=None, tokens_per_s=None, speedup_prev=None, speedup_first=None,
-                       mfu=None, peak_allocated=None, peak_reserved=None, skipped=skip, note=note)
+                       mfu=None, peak_allocated=None, peak_reserved=None, syncs_per_step=None, skipped=skip, note=note)
             if skip is None:
                 trial = {**settings, **change}
                 try:
-                    ms, fpt, (alloc, reserved) = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
+                    ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
                 except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
                     if is_oom(e):
                         row["skipped"] = f"out of memory at {micro_batch}x{seq_len} (try a smaller --micro_batch_size)"
@@ -176,7 +198,7 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
                 else:
                     settings = trial
                     tok_s = micro_batch * seq_len / (ms / 1000)
-                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
+                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved, syncs_per_step=syncs,
                                mfu=precision.estimate_mfu(fpt, tok_s, device_name, settings["dtype"], settings["tf32"]))
                     first = first or row
                     row["speedup_first"] = tok_s / first["tokens_per_s"]
@@ -197,15 +219,15 @@ def ladder_table(rows):
     """The rows as a Markdown table."""
     def num(v, f):
         return "n/a" if v is None else f.format(v)
-    lines = ["| rung | ms/step | tok/s | vs prev | vs first | MFU | peak alloc | peak reserved | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| rung | ms/step | tok/s | vs prev | vs first | MFU | peak alloc | peak reserved | syncs/step | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if r["skipped"] is not None:
-            lines.append(f"| {r['name']} | skipped | | | | | | | {r['skipped']} |")
+            lines.append(f"| {r['name']} | skipped | | | | | | | | {r['skipped']} |")
             continue
         lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['speedup_prev']:.2f}x "
                      f"| {r['speedup_first']:.2f}x | {num(r['mfu'], '{:.1%}')} | {fmt_bytes(r['peak_allocated'])} "
-                     f"| {fmt_bytes(r['peak_reserved'])} | {r['note']} |")
+                     f"| {fmt_bytes(r['peak_reserved'])} | {num(r.get('syncs_per_step'), '{:d}')} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -266,7 +288,7 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     out = {}
     settings = dict(BASELINE, attn="sdpa", vocab=50304)
     for tf32 in (False, True):
-        _, _, peak = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps, device)
+        _, _, peak, _ = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps, device)
         out[tf32] = peak
     precision.set_tf32(False)
     return out

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -45,6 +46,25 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
         if prev:
             assert row["speedup_prev"] == pytest.approx(row["tokens_per_s"] / prev["tokens_per_s"])
         assert row["mfu"] is None and row["peak_allocated"] is None  # no peak FLOPs or allocator on a CPU
+        assert row["syncs_per_step"] is None  # sync debug mode is CUDA's
+    assert "syncs/step" in r.stdout
+
+
+def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
+    modes = []
+
+    def step():  # what torch.cuda's TORCH_WARN looks like from Python, twice from the same line
+        for _ in range(2):
+            warnings.warn(bench.SYNC_WARNING)
+        warnings.warn("some other warning")
+
+    assert bench.count_syncs(step, set_mode=modes.append) == 2
+    assert modes == ["warn", "default"]
+    assert bench.count_syncs(step, set_mode=modes.append) == 2  # Python's once-per-line filter does not hide repeats
+    assert bench.count_syncs(lambda: None, set_mode=modes.append) == 0
+    with pytest.raises(ZeroDivisionError):
+        bench.count_syncs(lambda: 1 / 0, set_mode=modes.append)
+    assert modes[-2:] == ["warn", "default"]  # restored on the way out of a failing step too
 
 
 @pytest.mark.parametrize("cap,skipped,autocast,sdpa", [
