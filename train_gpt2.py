@@ -572,7 +572,8 @@ def train(argv, ddp, rank, master):
     if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:
         model = raw_model
     plan = dataclasses.replace(plan, compile=model is not raw_model)
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
+                      gradient_as_bucket_view=True) if ddp else model  # grads live in the all-reduce buckets: no copy
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 
