@@ -8,10 +8,14 @@ Speed and memory benchmarks for GPT-2 training steps.
     python bench.py --memory --activation_checkpointing blocks --world_size 8 --fsdp   # ... in those modes
     python bench.py --find_batch            # the largest fast micro-batch that fits (CUDA)
     python bench.py --fit                   # what fits where: computed micro-batches per model, GPU and mode
+    torchrun --standalone --nproc_per_node=8 bench.py --ddp   # DDP(compile(model)) vs compile(DDP(model))
 
 The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast (bf16, or fp16 with
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
--> +fused AdamW -> +chunked loss. Rungs that cannot apply on the device are printed as skipped, with the reason.
+-> +fused AdamW -> +chunked loss. Then options, each kept only if faster than the best row so far: the
+plan's other SDPA kernel orders, micro-batches 16/32/64, compile mode max-autotune (GPU only). Rungs
+that cannot apply on the device are printed as skipped, with the reason. Every row counts the host
+syncs of a step.
 
 The memory estimate, the micro-batch finder and the step the probes take live in precision.py (the
 trainer uses them too); this file times and reports. Never imports train_gpt2.
@@ -22,6 +26,7 @@ import statistics
 import sys
 import textwrap
 import time
+import warnings
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -73,13 +78,38 @@ def rung_plan(device, settings):
 # -----------------------------------------------------------------------------
 # the speed ladder
 
-BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, attn="naive",
+BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, compile_mode=None, attn="naive",
                 sdpa_backends=(), vocab=50257, fused=False, loss="full", ckpt="none")
+MICRO_BATCHES = (16, 32, 64)  # the option rungs try the others than --micro_batch_size
 
 
-def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None):
-    """The rungs in the issue's order: (name, settings it changes, skip reason or None, note).
-    Which rungs apply comes from the precision plan; nothing here re-derives capability rules."""
+def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None, micro_batch=16):
+    """The rungs in order: (name, settings it changes, skip reason or None, note, optional). The core
+    rungs always stay on the ladder; the optional ones after them are kept only when faster than the
+    best so far (other attention kernel orders, other micro-batches, compile mode max-autotune, last
+    because every later rung would re-tune). Which rungs apply comes from the precision plan; nothing
+    here re-derives capability rules."""
+    rungs = [rung + (False,) for rung in core_rungs(plan, device_type, capability, force_compile, fused_ok)]
+    gpu_only = None if device_type == "cuda" else f"a GPU option: not run on {device_type}"
+    backends = plan.sdpa_backends
+    others = [backends[i:] for i in range(1, len(backends)) if backends[i] != "math"]
+    for order in others:
+        rungs.append((f"attention {'/'.join(order)}", {"sdpa_backends": order}, gpu_only,
+                      f"vs {'/'.join(backends)}: {order[0]} first", True))
+    if not others:
+        reason = gpu_only or f"the precision plan for {where_label(device_type, capability)} has one kernel ({'/'.join(backends)})"
+        rungs.append(("attention kernels", {}, reason, "", True))
+    for b in MICRO_BATCHES:
+        if b != micro_batch:
+            rungs.append((f"micro-batch {b}", {"micro_batch": b}, gpu_only, f"vs {micro_batch}, same seq_len", True))
+    compile_off = None if plan.compile or force_compile else "needs the torch.compile rung, which is off here"
+    rungs.append(("compile max-autotune", {"compile_mode": "max-autotune"}, gpu_only or compile_off,
+                  "Triton GEMM autotuning and CUDA graphs; compiling takes minutes", True))
+    return rungs
+
+
+def core_rungs(plan, device_type, capability=None, force_compile=False, fused_ok=None):
+    """The cumulative ladder: (name, settings it changes, skip reason or None, note)."""
     where = where_label(device_type, capability)
     dname = {torch.bfloat16: "bf16", torch.float16: "fp16+GradScaler"}.get(plan.dtype)
     rungs = [("fp32", {}, None, "naive attention, vocab 50257, foreach AdamW")]
@@ -130,12 +160,45 @@ def build(settings, size, seq_len, device, device_type):
     model = raw
     if settings["compile"]:
         torch._dynamo.reset()  # a fresh cache per rung: no recompile limit, no stale graphs
-        model = torch.compile(raw)
+        model = torch.compile(raw, mode=settings.get("compile_mode"))
     return raw, model, optimizer
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s text
+
+
+def count_syncs(fn, set_mode=None):
+    """Run fn() with torch.cuda.set_sync_debug_mode("warn") and count the host syncs it reported:
+    .item(), .tolist(), .cpu(), blocking copies, nonzero() and the like (what torch itself waits on;
+    a cudaMemcpyAsync from pageable memory stalls without a warning). The mode is restored however
+    fn ends. set_mode: for tests; CUDA only, the caller says n/a elsewhere."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every sync, not the first per line
+        set_mode("warn")
+        try:
+            fn()
+        finally:
+            set_mode("default")
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
+
+
+def time_steps(model, optimizer, scaler, x, y, plan, warmup, steps):
+    """Median seconds of `steps` synchronised training steps after `warmup` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        precision.synchronize(plan.device)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, scaler, x, y, plan)
+        precision.synchronize(plan.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
-    """Median ms/step of `steps` synchronised steps after `warmup`, and peak memory (CUDA only)."""
+    """Median ms/step of `steps` synchronised steps after `warmup`, peak memory and the host syncs of
+    one more step (both CUDA only, else None)."""
     device_type = torch.device(device).type
     plan = rung_plan(device, settings)
     precision.set_tf32(plan.tf32)
@@ -144,51 +207,50 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
         torch.cuda.reset_peak_memory_stats()
     raw, model, optimizer = build(settings, size, seq_len, device, device_type)
     scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
-    x, y = random_batch(micro_batch, seq_len, device)
-    times = []
-    for i in range(warmup + steps):
-        precision.synchronize(device)
-        t0 = time.perf_counter()
-        train_step(model, optimizer, scaler, x, y, plan)
-        precision.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    ms = 1000 * statistics.median(times)
+    x, y = random_batch(settings.get("micro_batch", micro_batch), seq_len, device)
+    ms = 1000 * time_steps(model, optimizer, scaler, x, y, plan, warmup, steps)
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
+    syncs = count_syncs(lambda: train_step(model, optimizer, scaler, x, y, plan)) if device_type == "cuda" else None
     fpt = flops_per_token(raw, seq_len)
-    return ms, fpt, peak
+    return ms, fpt, peak, syncs
 
 
 def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
     """Time every rung cumulatively, the rungs chosen by the plan; returns the rows (dicts) of the table."""
     device = plan.device
     device_type, capability, device_name = device_info(device)
-    settings = dict(BASELINE)
+    settings = dict(BASELINE, micro_batch=micro_batch)
     rows, first, prev = [], None, None
     try:
-        for name, change, skip, note in ladder_rungs(plan, device_type, capability, force_compile):
+        for name, change, skip, note, optional in ladder_rungs(plan, device_type, capability, force_compile,
+                                                               micro_batch=micro_batch):
             row = dict(name=name, ms_per_step=None, tokens_per_s=None, speedup_prev=None, speedup_first=None,
-                       mfu=None, peak_allocated=None, peak_reserved=None, skipped=skip, note=note)
+                       mfu=None, peak_allocated=None, peak_reserved=None, syncs_per_step=None, skipped=skip, note=note,
+                       kept=None)
             if skip is None:
                 trial = {**settings, **change}
                 try:
-                    ms, fpt, (alloc, reserved) = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
+                    ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
                 except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
                     if is_oom(e):
-                        row["skipped"] = f"out of memory at {micro_batch}x{seq_len} (try a smaller --micro_batch_size)"
-                    elif change.get("compile"):
+                        row["skipped"] = (f"out of memory at {trial['micro_batch']}x{seq_len}"
+                                          + ("" if optional else " (try a smaller --micro_batch_size)"))
+                    elif trial["compile"]:
                         row["skipped"] = f"torch.compile failed here: {str(e).strip().splitlines()[0][:160]}"
                     else:
                         raise
                 else:
-                    settings = trial
-                    tok_s = micro_batch * seq_len / (ms / 1000)
-                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
-                               mfu=precision.estimate_mfu(fpt, tok_s, device_name, settings["dtype"], settings["tf32"]))
+                    tok_s = trial["micro_batch"] * seq_len / (ms / 1000)
+                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved, syncs_per_step=syncs,
+                               mfu=precision.estimate_mfu(fpt, tok_s, device_name, trial["dtype"], trial["tf32"]))
                     first = first or row
                     row["speedup_first"] = tok_s / first["tokens_per_s"]
                     row["speedup_prev"] = tok_s / prev["tokens_per_s"] if prev else 1.0
-                    prev = row
+                    if optional:  # compared with the best so far: kept only if faster
+                        row["kept"] = tok_s > prev["tokens_per_s"]
+                        row["note"] = f"{note}; {'kept' if row['kept'] else 'not kept (slower)'}"
+                    if not optional or row["kept"]:
+                        settings, prev = trial, row
             rows.append(row)
             if verbose:
                 done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
@@ -204,15 +266,15 @@ def ladder_table(rows):
     """The rows as a Markdown table."""
     def num(v, f):
         return "n/a" if v is None else f.format(v)
-    lines = ["| rung | ms/step | tok/s | vs prev | vs first | MFU | peak alloc | peak reserved | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| rung | ms/step | tok/s | vs prev | vs first | MFU | peak alloc | peak reserved | syncs/step | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if r["skipped"] is not None:
-            lines.append(f"| {r['name']} | skipped | | | | | | | {r['skipped']} |")
+            lines.append(f"| {r['name']} | skipped | | | | | | | | {r['skipped']} |")
             continue
         lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['speedup_prev']:.2f}x "
                      f"| {r['speedup_first']:.2f}x | {num(r['mfu'], '{:.1%}')} | {fmt_bytes(r['peak_allocated'])} "
-                     f"| {fmt_bytes(r['peak_reserved'])} | {r['note']} |")
+                     f"| {fmt_bytes(r['peak_reserved'])} | {num(r.get('syncs_per_step'), '{:d}')} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -243,6 +305,93 @@ def plot_ladder(rows, out, title):
     with replacing(out, suffix=".tmp.png") as tmp:
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# DDP: where torch.compile goes (torchrun --standalone --nproc_per_node=N bench.py --ddp)
+
+DDP_ORDERS = ("DDP(compile(model))", "compile(DDP(model))")
+
+
+def wrap_ddp(raw, order, device_ids, backend="inductor"):
+    """raw wrapped in one of DDP_ORDERS. DDP(compile(model)) is the trainer's: DDP's gradient hooks
+    fire as the compiled backward hands the gradients over, which it does at its end. In
+    compile(DDP(model)) dynamo splits the graph at DDP's bucket boundaries (optimize_ddp), so a
+    bucket's all-reduce can start while the backward of the layers below it still runs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    kw = dict(device_ids=device_ids, gradient_as_bucket_view=True)
+    if order == DDP_ORDERS[0]:
+        return DDP(torch.compile(raw, dynamic=False, backend=backend), **kw)
+    return torch.compile(DDP(raw, **kw), dynamic=False, backend=backend)
+
+
+def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, backend="inductor"):
+    """Each DDP order at the trainer's settings (the plan's precision and kernels, vocab 50304, fused
+    AdamW on CUDA), one micro-step per optimizer step so every step all-reduces. Every rank times its
+    own steps; the slowest rank's median counts. Returns rows like the ladder's (tokens/s over all ranks)."""
+    import torch.distributed as dist
+    device = plan.device
+    device_type, capability, device_name = device_info(device)
+    world = dist.get_world_size()
+    settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
+                    sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda")
+    skip = None if plan.compile or force_compile else \
+        f"precision plan for {where_label(device_type, capability)} has compile off (--compile forces it)"
+    rows, first = [], None
+    for order in DDP_ORDERS:
+        row = dict(name=order, ms_per_step=None, tokens_per_s=None, speedup_first=None, mfu=None, skipped=skip,
+                   note=f"{world} rank(s), gradient_as_bucket_view")
+        if skip is None:
+            precision.set_tf32(plan.tf32)
+            raw, _, optimizer = build(settings, size, seq_len, device, device_type)
+            torch._dynamo.reset()
+            model = wrap_ddp(raw, order, [device] if device_type == "cuda" else None, backend)
+            scaler = torch.amp.GradScaler(device_type) if plan.grad_scaler else None
+            x, y = random_batch(micro_batch, seq_len, device, seed=1337 + dist.get_rank())
+            ms = 1000 * precision.agree(time_steps(model, optimizer, scaler, x, y, plan, warmup, steps), "max", device)
+            tok_s = world * micro_batch * seq_len / (ms / 1000)
+            first = first or tok_s
+            row.update(ms_per_step=ms, tokens_per_s=tok_s, speedup_first=tok_s / first,
+                       mfu=precision.estimate_mfu(flops_per_token(raw, seq_len), tok_s / world, device_name,
+                                                  plan.dtype, plan.tf32))
+            del raw, model, optimizer
+            free_memory(device_type)
+        rows.append(row)
+    precision.set_tf32(False)
+    torch._dynamo.reset()
+    return rows
+
+
+def ddp_table(rows):
+    lines = ["| order | ms/step | tok/s (all ranks) | vs first | MFU | notes |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if r["skipped"] is not None:
+            lines.append(f"| {r['name']} | skipped | | | | {r['skipped']} |")
+        else:
+            mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+            lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['speedup_first']:.2f}x "
+                         f"| {mfu} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def ddp_cli(args, plan):
+    """--ddp: one process per GPU under torchrun; rank 0 prints the table (and writes --json)."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ:
+        raise UserError("--ddp compares DDP wrappings across processes: run it under torchrun, e.g. "
+                        "torchrun --standalone --nproc_per_node=8 bench.py --ddp")
+    if plan.device_type == "cuda":
+        torch.cuda.set_device(plan.device)
+    dist.init_process_group(backend="nccl" if plan.device_type == "cuda" else "gloo")
+    try:
+        rows = run_ddp(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
+        if dist.get_rank() == 0:
+            print(header(args) + "\n\n" + ddp_table(rows))
+            if args.json:
+                write_json(args.json, rows)
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -320,7 +469,7 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     out = {}
     settings = dict(BASELINE, attn="sdpa", vocab=50304)
     for tf32 in (False, True):
-        _, _, peak = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps, device)
+        _, _, peak, _ = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps, device)
         out[tf32] = peak
     precision.set_tf32(False)
     return out
@@ -458,10 +607,13 @@ def parse_args(argv):
     p.add_argument("--fsdp", action="store_true", help="the ranks shard the model with FSDP (--memory, computed)")
     p.add_argument("--fit", action="store_true", help="what fits where: computed micro-batches per model, GPU and mode")
     p.add_argument("--find_batch", action="store_true", help="micro-batch finder instead of the ladder")
+    p.add_argument("--ddp", action="store_true",
+                   help="under torchrun: DDP(compile(model)) vs compile(DDP(model)) instead of the ladder")
     p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH, help="tokens per optimizer step (--find_batch)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory to keep free (--find_batch)")
     args = p.parse_args(argv)
-    args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"))
+    args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"),
+                                           int(os.environ.get("LOCAL_RANK", 0)))  # torchrun: one GPU per process
     device_type = torch.device(args.device).type
     mode = "quick" if args.quick else ("cuda" if device_type == "cuda" or args.fit else "cpu")  # --fit: GPU shapes
     size, b, t, warmup, steps = DEFAULTS[mode]
@@ -518,6 +670,8 @@ def run(args):
               "computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere)\n")
         print("\n".join(fit_table(args.seq_len, args.headroom)))
         return 0
+    if args.ddp:
+        return ddp_cli(args, plan)
     if args.find_batch:
         settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda", loss=args.loss_impl,
                         ckpt=args.activation_checkpointing)

@@ -5,18 +5,22 @@ HellaSwag, zero-shot and completion style: which of 4 endings does the model fin
     python hellaswag.py --model out/ckpt_019073.pt      # one of train_gpt2.py's checkpoints
     python hellaswag.py --model out/hf --data rows.jsonl --limit 500 --json result.json
     python hellaswag.py --bench                         # batched vs one-example-at-a-time, examples/s
+    python hellaswag.py --model gpt2 --compile          # as in training: compiled, packed rows at one fixed shape
 
 Each ending is scored as the row context + " " + ending: the model's cross-entropy over the ending
 tokens only, summed (acc: the lowest sum wins) and averaged per token (acc_norm: the lowest mean wins).
 Many examples go through one forward pass and the lm_head runs only where an ending token is
 predicted. Each example is packed into one row ctx + end1 + end2 + end3 + end4 (each ending at the
 positions that follow the context, seeing only the context and itself), so the context is computed once
-instead of 4 times; examples that do not fit block_size that way (and compiled models) use 4 rows
-ctx + ending_i. Rows are right-padded, padding never scored; score_one() is the plain one-example reference.
+instead of 4 times; examples that do not fit block_size that way use 4 rows ctx + ending_i. Rows are
+right-padded, padding never scored; score_one() is the plain one-example reference. A compiled model
+(torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles once, with short
+examples sharing a row rather than padding it.
 
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
 """
+import bisect
 import json
 import os
 import random
@@ -218,38 +222,66 @@ def packable(example, block_size):
             and packed_len(example) <= block_size)
 
 
-def collate_packed(batch):
-    """One row per example, ctx + end1 + end2 + end3 + end4 (each ending without its last token, see
-    packed_len), right-padded to the longest: each ending's position ids restart at len(ctx) and the
-    mask lets it see the context and itself only, so it is scored exactly as the row ctx + ending,
-    but the context goes through the model once, not 4 times.
+def pack_rows(examples, T):
+    """Best-fit decreasing: each example (packed_len tokens) goes into the row of T tokens with the
+    least room that still holds it, else a new row. Returns the rows, lists of examples."""
+    rows, free = [], []  # free: sorted (tokens left, row number)
+    for ex in sorted(examples, key=packed_len, reverse=True):
+        n = packed_len(ex)
+        i = bisect.bisect_left(free, (n, -1))
+        if i == len(free):
+            rows.append([ex])
+            left, r = T - n, len(rows) - 1
+        else:
+            left, r = free.pop(i)
+            rows[r].append(ex)
+            left -= n
+        bisect.insort(free, (left, r))
+    return rows
+
+
+def collate_packed(rows, shape=None):
+    """Packed rows: each example is ctx + end1 + end2 + end3 + end4 (each ending without its last
+    token, see packed_len), and a row holds one or more examples one after the other, right-padded to
+    the longest row (or to a fixed (B, T) shape: extra rows are all padding). Each ending's position
+    ids restart at len(ctx) and the mask lets it see its own context and itself only, so it is scored
+    exactly as the row ctx + ending, but the context goes through the model once, not 4 times.
     Returns idx, pos_ids (B, T), attn_mask (B, 1, T, T) and, for every scored token: its row, the
-    position that predicts it, the token, its ending (4 * example + i) (N,) each; counts (4B,)."""
-    B, T = len(batch), max(packed_len(ex) for ex in batch)
+    position that predicts it, the token, its ending (4 * example + i, examples numbered row by row)
+    (N,) each; counts (4E,) for the E examples."""
+    B, T = shape or (len(rows), max(sum(packed_len(ex) for ex in row) for row in rows))
     idx = torch.zeros(B, T, dtype=torch.long)
     pos_ids = torch.zeros(B, T, dtype=torch.long)
     seg = torch.full((B, T), -1)  # 0 context, 1..4 ending, -1 padding
+    ex_id = torch.full((B, T), -1)  # which example of the batch, -1 padding
     seq_id, pos, tgt, row_id = [], [], [], []
-    for b, ex in enumerate(batch):
-        ctx = ex["ctx_tokens"]
-        C = len(ctx)
-        idx[b, :C], pos_ids[b, :C], seg[b, :C] = torch.tensor(ctx), torch.arange(C), 0
-        at = C
-        for i, end in enumerate(ex["ending_tokens"]):
-            E = len(end) - 1  # tokens fed in
-            idx[b, at:at + E] = torch.tensor(end[:-1], dtype=torch.long)
-            pos_ids[b, at:at + E] = torch.arange(C, C + E)
-            seg[b, at:at + E] = i + 1
-            seq_id += [b] * (E + 1)
-            pos += [C - 1] + list(range(at, at + E))  # the context's last token predicts the first
-            tgt += end
-            row_id += [4 * b + i] * (E + 1)
-            at += E
+    e = 0
+    for b, row in enumerate(rows):
+        at = 0
+        for ex in row:
+            ctx = ex["ctx_tokens"]
+            C = len(ctx)
+            idx[b, at:at + C], pos_ids[b, at:at + C], seg[b, at:at + C] = torch.tensor(ctx), torch.arange(C), 0
+            ex_id[b, at:at + packed_len(ex)] = e
+            last_ctx = at + C - 1  # the context's last token predicts each ending's first
+            at += C
+            for i, end in enumerate(ex["ending_tokens"]):
+                E = len(end) - 1  # tokens fed in
+                idx[b, at:at + E] = torch.tensor(end[:-1], dtype=torch.long)
+                pos_ids[b, at:at + E] = torch.arange(C, C + E)
+                seg[b, at:at + E] = i + 1
+                seq_id += [b] * (E + 1)
+                pos += [last_ctx] + list(range(at, at + E))
+                tgt += end
+                row_id += [4 * e + i] * (E + 1)
+                at += E
+            e += 1
     q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
+    same = ex_id[:, :, None] == ex_id[:, None, :]  # (B, T, T) same example; padding sees only padding
     causal = pos_ids[:, None, :] <= pos_ids[:, :, None]  # (B, T, T) key position <= query position
-    attn_mask = (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal  # padding sees only padding
+    attn_mask = same & (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal
     row_id = torch.tensor(row_id)
-    counts = torch.bincount(row_id, minlength=4 * B)  # (4B,)
+    counts = torch.bincount(row_id, minlength=4 * e)  # (4E,)
     return idx, pos_ids, attn_mask[:, None], torch.tensor(seq_id), torch.tensor(pos), torch.tensor(tgt), row_id, counts
 
 
@@ -260,11 +292,10 @@ def is_compiled(model):
 def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None, attn_mask=None):
     """Summed and mean ending losses per row (R,) for one padded batch: the token predicted at
     idx[seq_id, pos] (seq_id defaults to row_id) counts for row row_id. Packed batches pass seq_id,
-    pos_ids and attn_mask from collate_packed (eager models only)."""
+    pos_ids and attn_mask from collate_packed."""
     seq_id = row_id if seq_id is None else seq_id
-    if is_compiled(model):  # the compiled forward's full logits, then only the positions needed
-        assert attn_mask is None, "packed batches run eager: the compiled forward takes no mask"
-        logits = model(idx)[0][seq_id, pos]  # (N, V)
+    if is_compiled(model):  # the compiled forward's full logits (one fixed shape), then the positions needed
+        logits = model(idx, pos=pos_ids, attn_mask=attn_mask)[0][seq_id, pos]  # (N, V)
     else:  # eager: run the blocks, then lm_head only at the positions that predict an ending token
         logits = model.lm_head(model.hidden_states(idx, pos_ids, attn_mask)[seq_id, pos])  # (N, V)
     losses = token_losses(logits, tgt)  # (N,)
@@ -276,25 +307,30 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
-    summed over ranks with all_reduce. An eager model gets one packed row per example (collate_packed)
-    where ctx + 4 endings fit block_size, else 4 rows (collate).
-    A compiled model gets 4 rows per example at one fixed (4 * batch_size, T) shape, so it compiles once.
+    summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit
+    block_size, else it is 4 rows (collate). An eager model gets one example per packed row, each batch
+    padded to its own longest row. A compiled model gets one fixed shape per path, so it compiles once
+    per evaluation set, not once per batch: batch_size packed rows of T tokens (T: this rank's longest
+    packed example, rounded up to 16), short examples sharing a row (pack_rows) instead of padding,
+    and (4 * batch_size, T') for the 4-row examples.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
     local = examples[rank::world_size]
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
-    if is_compiled(model):  # 4 rows per example at one fixed shape: the longest row of this rank, rounded up to 8
-        T = max((longest(ex) for ex in local), default=1)
-        shape = (4 * batch_size, min(-(-T // 8) * 8, block_size))
-        batches = [(local[i:i + batch_size], False) for i in range(0, len(local), batch_size)]
-    else:  # eager: one packed row per example where it fits (else 4 rows), similar lengths together,
-        shape = None  # each batch padded only to its own longest row
-        packed = sorted([ex for ex in local if packable(ex, block_size)], key=packed_len, reverse=True)
-        rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
-        batches = ([(packed[i:i + batch_size], True) for i in range(0, len(packed), batch_size)] +
-                   [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
+    # packed where it fits, else 4 rows; similar lengths together
+    packed = sorted([ex for ex in local if packable(ex, block_size)], key=packed_len, reverse=True)
+    rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
+    packed_rows = [[ex] for ex in packed]
+    packed_shape = rows_shape = None  # eager: each batch padded only to its own longest row
+    if is_compiled(model) and packed:  # T a multiple of 16: the memory-efficient kernel wants aligned mask rows
+        packed_shape = (batch_size, min(-(-packed_len(packed[0]) // 16) * 16, block_size))
+        packed_rows = pack_rows(packed, packed_shape[1])
+    if is_compiled(model) and rows:
+        rows_shape = (4 * batch_size, min(-(-longest(rows[0]) // 8) * 8, block_size))
+    batches = ([(packed_rows[i:i + batch_size], True) for i in range(0, len(packed_rows), batch_size)] +
+               [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
     was_training = raw.training
     raw.eval()
     results, n_cut, correct, correct_norm = [], 0, 0, 0
@@ -304,10 +340,10 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
         for batch, is_packed in batches:
             if is_packed:
-                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch)
-                cut = 0
+                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch, packed_shape)
+                batch, cut = [ex for row in batch for ex in row], 0
             else:
-                idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, shape)
+                idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
                 pos_ids = attn_mask = seq_id = None
             with precision.autocast(plan):
                 summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt), to(counts),
@@ -360,17 +396,21 @@ def synthetic_rows(n, seed=0):
 
 def bench(model, examples, plan, batch_size):
     """examples/s of evaluate() against the score_one() loop on the same model and rows. The two
-    alternate chunk by chunk, so that a machine busy with other work slows both alike."""
-    model.eval()
+    alternate chunk by chunk, so that a machine busy with other work slows both alike. A compiled
+    model is warmed up and timed on all the rows at once: its fixed shape comes from the rows it is
+    given, so each new chunk would compile again (score_one runs its eager module)."""
+    raw = getattr(model, "_orig_mod", model)
+    raw.eval()
     for ex in examples[:2]:  # warm-up
-        score_one(model, ex, plan)
-    evaluate(model, examples[:batch_size], plan=plan, batch_size=batch_size)
+        score_one(raw, ex, plan)
+    chunk_size = len(examples) if is_compiled(model) else 4 * batch_size
+    evaluate(model, examples[:chunk_size] if is_compiled(model) else examples[:batch_size], plan=plan, batch_size=batch_size)
     t_loop = t_batch = 0.0
     same = True
-    for i in range(0, len(examples), 4 * batch_size):
-        chunk = examples[i:i + 4 * batch_size]
+    for i in range(0, len(examples), chunk_size):
+        chunk = examples[i:i + chunk_size]
         t0 = time.perf_counter()
-        loop = [score_one(model, ex, plan) for ex in chunk]
+        loop = [score_one(raw, ex, plan) for ex in chunk]
         t1 = time.perf_counter()
         res = evaluate(model, chunk, plan=plan, batch_size=batch_size)
         t2 = time.perf_counter()
@@ -378,8 +418,8 @@ def bench(model, examples, plan, batch_size):
         same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
                             for r, (s, m) in zip(res["examples"], loop))
     print(f"one example per forward: {len(examples) / t_loop:8.1f} examples/s")
-    print(f"batched ({batch_size:3d} examples): {len(examples) / t_batch:8.1f} examples/s "
-          f"({t_loop / t_batch:.1f}x), predictions identical: {same}")
+    print(f"batched ({batch_size:3d} examples{', compiled' if is_compiled(model) else ''}): "
+          f"{len(examples) / t_batch:8.1f} examples/s ({t_loop / t_batch:.1f}x), predictions identical: {same}")
     return same
 
 
@@ -395,13 +435,15 @@ def main(argv=None):
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="autocast dtype; auto = the GPU's plan (bf16 on sm80+, fp16 on sm7x), fp32 on CPU")
     p.add_argument("--batch_size", type=int, default=16, help="examples (4 rows each) per forward pass")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model first (as in training: packed rows at one fixed shape)")
     p.add_argument("--json", default=None, help="write n, acc, acc_norm and per-example predictions here")
     p.add_argument("--bench", action="store_true",
                    help="time batched vs one-example scoring (a tiny random GPT-2 and 200 synthetic rows "
                         "unless --model/--data/--limit are given)")
     try:
         args = p.parse_args(argv)
-        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
+        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=args.compile)
         if args.limit is not None and args.limit < 1:
             raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
         if args.batch_size < 1:
@@ -422,7 +464,7 @@ def main(argv=None):
             print("model: a tiny random GPT-2 (2 layers, n_embd 64, the tests' size)")
         else:
             model = load_model(args.model or "gpt2")
-        model.to(plan.device)
+        model = precision.compile_model(model.to(plan.device), plan)
     except (UserError, OSError) as e:
         return fail(e)
     if args.bench:

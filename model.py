@@ -176,11 +176,12 @@ class GPT(nn.Module):
         mode = self.config.activation_checkpointing
         return torch.is_grad_enabled() and (mode == "blocks" or mode == "every_other" and i % 2 == 0)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, pos=None, attn_mask=None):
         """(logits (B, T, vocab_size), None) without targets. With targets, the mean cross-entropy
         (targets of -1 are masked out): loss_impl="chunked" returns (None, loss) and never builds the
-        full logits (see chunked_cross_entropy); "full" returns (logits, loss) from F.cross_entropy."""
-        h = self.hidden_states(idx)  # (B, T, C)
+        full logits (see chunked_cross_entropy); "full" returns (logits, loss) from F.cross_entropy.
+        pos and attn_mask are for packed sequences (see hidden_states): a compiled model takes them here."""
+        h = self.hidden_states(idx, pos, attn_mask)  # (B, T, C)
         if targets is not None and self.config.loss_impl == "chunked":
             return None, chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                                self.config.ce_chunk_rows)

@@ -896,7 +896,8 @@ def train(argv, ddp, rank, master):
         model = raw_model
     plan = dataclasses.replace(plan, compile=model is not raw_model)
     wrap_ddp = ddp and not cfg.fsdp  # FSDP reduce-scatters the gradients itself, after every micro-step
-    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if wrap_ddp else model
+    train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
+                      gradient_as_bucket_view=True) if wrap_ddp else model  # grads live in the all-reduce buckets: no copy
 
     hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
 

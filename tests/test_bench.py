@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ def cpu_plan(dtype):
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW", "+chunked loss"]
+OPTIONS_CPU = ["attention kernels", "micro-batch 16", "micro-batch 32", "micro-batch 64", "compile max-autotune"]
 
 # -----------------------------------------------------------------------------
 # the ladder
@@ -32,14 +34,16 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == len(RUNG_PREFIXES)
-    for row, prefix in zip(rows, RUNG_PREFIXES):
+    assert len(rows) == len(RUNG_PREFIXES) + len(OPTIONS_CPU)
+    assert [row["name"] for row in rows[len(RUNG_PREFIXES):]] == OPTIONS_CPU  # --quick is micro-batch 4
+    for row, prefix in zip(rows, RUNG_PREFIXES + OPTIONS_CPU):
         assert row["name"].startswith(prefix)
         assert row["name"] in r.stdout  # the printed table has every rung, skipped or not
         assert {"name", "ms_per_step", "tokens_per_s", "mfu", "peak_allocated", "peak_reserved", "skipped"} <= set(row)
     skipped = {row["name"]: row["skipped"] for row in rows if row["skipped"]}
-    assert set(skipped) == {"+TF32", "+autocast", "+torch.compile"}  # CPU plan: fp32, no TF32, no compile
+    assert set(skipped) == {"+TF32", "+autocast", "+torch.compile", *OPTIONS_CPU}  # CPU: fp32, no TF32, no compile
     assert "precision plan for cpu is fp32" in skipped["+autocast"]
+    assert all(skipped[name] == "a GPU option: not run on cpu" for name in OPTIONS_CPU)
     measured = [row for row in rows if not row["skipped"]]
     first = measured[0]
     for prev, row in zip([None] + measured, measured):
@@ -49,6 +53,25 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
         if prev:
             assert row["speedup_prev"] == pytest.approx(row["tokens_per_s"] / prev["tokens_per_s"])
         assert row["mfu"] is None and row["peak_allocated"] is None  # no peak FLOPs or allocator on a CPU
+        assert row["syncs_per_step"] is None  # sync debug mode is CUDA's
+    assert "syncs/step" in r.stdout
+
+
+def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
+    modes = []
+
+    def step():  # what torch.cuda's TORCH_WARN looks like from Python, twice from the same line
+        for _ in range(2):
+            warnings.warn(bench.SYNC_WARNING)
+        warnings.warn("some other warning")
+
+    assert bench.count_syncs(step, set_mode=modes.append) == 2
+    assert modes == ["warn", "default"]
+    assert bench.count_syncs(step, set_mode=modes.append) == 2  # Python's once-per-line filter does not hide repeats
+    assert bench.count_syncs(lambda: None, set_mode=modes.append) == 0
+    with pytest.raises(ZeroDivisionError):
+        bench.count_syncs(lambda: 1 / 0, set_mode=modes.append)
+    assert modes[-2:] == ["warn", "default"]  # restored on the way out of a failing step too
 
 
 @pytest.mark.parametrize("cap,skipped,autocast,sdpa", [
@@ -58,16 +81,74 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
     ((6, 1), {"+TF32", "+autocast", "+torch.compile"}, "+autocast", "+SDPA (torch's choice)"),
 ])
 def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
-    rungs = bench.ladder_rungs(default_plan("cuda:0", cap), "cuda", cap)
+    rungs = bench.ladder_rungs(default_plan("cuda:0", cap), "cuda", cap)[:8]
     names = [r[0] for r in rungs]
     assert names[2] == autocast and names[4] == sdpa
-    assert {name for name, _, reason, _ in rungs if reason} == skipped
-    for name, _, reason, _ in rungs:
+    assert {name for name, _, reason, *_ in rungs if reason} == skipped
+    assert not any(optional for *_, optional in rungs)
+    for name, _, reason, *_ in rungs:
         if reason:
             assert f"sm{cap[0]}{cap[1]}" in reason
     if cap[0] == 7:
         assert "no flash kernel" in rungs[4][3]
         assert rungs[2][1] == {"dtype": torch.float16, "scaler": True}
+
+
+@pytest.mark.parametrize("device,cap,micro_batch,expected", [
+    ("cuda:0", (9, 0), 16, {"attention flash/efficient/math": {"sdpa_backends": ("flash", "efficient", "math")},
+                            "attention efficient/math": {"sdpa_backends": ("efficient", "math")},
+                            "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
+                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
+    ("cuda:0", (8, 0), 64, {"attention efficient/math": {"sdpa_backends": ("efficient", "math")},
+                            "micro-batch 16": {"micro_batch": 16}, "micro-batch 32": {"micro_batch": 32},
+                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
+    ("cuda:0", (7, 5), 16, {"micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
+                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
+])
+def test_option_rungs_come_from_the_plan(device, cap, micro_batch, expected):
+    """After the eight cumulative rungs: the plan's other kernel orders (never math first), the other
+    micro-batches of 16/32/64, then max-autotune last; all optional, none skipped on these GPUs except
+    sm7x's single kernel."""
+    plan = default_plan(device, cap)
+    rungs = bench.ladder_rungs(plan, "cuda", cap, micro_batch=micro_batch)
+    options = rungs[8:]
+    assert all(optional for *_, optional in options) and options[-1][0] == "compile max-autotune"
+    assert {name: change for name, change, reason, _, _ in options if reason is None} == expected
+    skipped = {name: reason for name, _, reason, _, _ in options if reason}
+    assert skipped == ({"attention kernels": "the precision plan for cuda sm75 has one kernel (efficient/math)"}
+                       if cap == (7, 5) else {})
+
+
+def test_option_rungs_skip_on_cpu_and_without_compile():
+    rungs = bench.ladder_rungs(default_plan("cpu"), "cpu", micro_batch=16)
+    assert [(name, reason) for name, _, reason, _, _ in rungs[8:]] == [
+        ("attention kernels", "a GPU option: not run on cpu"), ("micro-batch 32", "a GPU option: not run on cpu"),
+        ("micro-batch 64", "a GPU option: not run on cpu"), ("compile max-autotune", "a GPU option: not run on cpu")]
+    p61 = default_plan("cuda:0", (6, 1))  # compile off in the plan: max-autotune has nothing to tune
+    assert bench.ladder_rungs(p61, "cuda", (6, 1))[-1][2] == "needs the torch.compile rung, which is off here"
+    assert bench.ladder_rungs(p61, "cuda", (6, 1), force_compile=True)[-1][2] is None
+
+
+def test_options_are_kept_only_when_faster(monkeypatch):
+    """A slower option is reported and dropped (the next rung builds on the best row), a faster one kept."""
+    rungs = [("base", {}, None, "", False), ("slow", {"vocab": 1}, None, "", True),
+             ("fast", {"micro_batch": 8}, None, "", True), ("after", {"fused": True}, None, "", True)]
+    seen = []
+
+    def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
+        seen.append(dict(settings))
+        ms = {0: 100.0, 1: 120.0, 2: 150.0, 3: 400.0}[len(seen) - 1]  # "fast" does 2x the tokens in 1.5x the time
+        return ms, 1.0, (None, None), None
+
+    monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
+    monkeypatch.setattr(bench, "time_rung", fake_time_rung)
+    rows = bench.run_ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False)
+    assert [r["kept"] for r in rows] == [None, False, True, False]
+    assert "not kept (slower)" in rows[1]["note"] and rows[2]["note"].endswith("kept")
+    assert seen[2]["vocab"] == 50257 and seen[2]["micro_batch"] == 8  # "slow" dropped before "fast" ran
+    assert seen[3]["micro_batch"] == 8 and seen[3]["fused"]  # "fast" kept under "after"
+    assert rows[2]["tokens_per_s"] == pytest.approx(8 * 32 / 0.150)
+    assert rows[2]["speedup_prev"] == pytest.approx((8 * 32 / 0.150) / (4 * 32 / 0.100))  # vs the best, not "slow"
 
 
 def test_compile_can_be_forced_on_cpu():
@@ -76,8 +157,39 @@ def test_compile_can_be_forced_on_cpu():
     assert bench.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
 
 
+def test_ddp_orders_wrap_and_train_alike(tmp_path):
+    """Both DDP orders in a 1-process gloo group (the eager backend: seconds, not minutes): the wrappers
+    nest as named, one step gives the same gradients, and run_ddp times both or says why not."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plan = default_plan("cpu")
+        grads = []
+        for order in bench.DDP_ORDERS:
+            model, opt = tiny_model_and_optimizer(vocab=50257)
+            wrapped = bench.wrap_ddp(model, order, None, backend="eager")
+            if order == "DDP(compile(model))":
+                assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
+            else:
+                assert isinstance(wrapped._orig_mod, DDP) and wrapped._orig_mod.module is model
+            precision.train_step(wrapped, opt, None, *precision.random_batch(2, 16, "cpu"), plan)
+            grads.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+        rows = bench.run_ddp(plan, "tiny", 2, 16, 0, 1, force_compile=True, backend="eager")
+        assert [r["name"] for r in rows] == list(bench.DDP_ORDERS)
+        assert all(r["skipped"] is None and r["ms_per_step"] > 0 for r in rows)
+        assert rows[0]["tokens_per_s"] == pytest.approx(2 * 16 / (rows[0]["ms_per_step"] / 1000))
+        off = bench.run_ddp(plan, "tiny", 2, 16, 0, 1)
+        assert all("compile off" in r["skipped"] for r in off) and "skipped" in bench.ddp_table(off)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_bad_options_exit_with_one_line(capsys):
     cases = [(["--quick", "--steps", "0"], "--steps must be at least 1"),
+             (["--quick", "--ddp"], "run it under torchrun"),
              (["--quick", "--headroom", "1.5"], "--headroom must be in [0, 1)"),
              (["--quick", "--device", "tpu"], "device 'tpu' is not one of")]
     if not torch.cuda.is_available():

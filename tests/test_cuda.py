@@ -13,12 +13,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU here", allow_module_level=True)
 
+import bench  # noqa: E402
 import hellaswag  # noqa: E402
 import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from test_hellaswag import make_rows, write_rows  # noqa: E402
 from test_train import load_ckpt, step_losses, tiny_args, write_shards  # noqa: E402
-from train_gpt2 import main  # noqa: E402
+from train_gpt2 import accumulate_gradients, main, optimizer_step  # noqa: E402
 
 CAP = torch.cuda.get_device_capability(0)
 SMALL = GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -78,6 +79,65 @@ def test_hellaswag_on_gpu_equals_cpu(hf_dir, tmp_path):
     gpu = hellaswag.evaluate(model.cuda(), examples, plan=precision.make_plan("cuda:0", "fp32"), batch_size=8)
     assert [r["pred"] for r in gpu["examples"]] == [r["pred"] for r in cpu["examples"]]
     assert [r["pred_norm"] for r in gpu["examples"]] == [r["pred_norm"] for r in cpu["examples"]]
+
+
+def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
+    """The in-training path: inductor on the GPU, packed rows with a mask at one fixed shape, several
+    examples per row. fp32 (TF32 off): the predictions of the eager CPU run; the GPU's own plan
+    (bf16, its SDPA kernel list): runs, compiles once, and mostly agrees."""
+    examples = hellaswag.load_examples(data_file=write_rows(tmp_path / "rows.jsonl", make_rows(24)))
+    model = GPT.load(hf_dir, verbose=False)
+    cpu = hellaswag.evaluate(model, examples, plan=precision.make_plan("cpu"), batch_size=8)
+    model.cuda()
+    fp32 = dataclasses.replace(precision.make_plan("cuda:0", "fp32"), tf32=False)
+    for plan, agree in ((fp32, 24), (precision.make_plan("cuda:0"), 20)):
+        torch._dynamo.reset()
+        compiled = precision.compile_model(model, dataclasses.replace(plan, compile=True))
+        precision.set_tf32(plan.tf32)
+        first = hellaswag.evaluate(compiled, examples, plan=plan, batch_size=8)
+        again = hellaswag.evaluate(compiled, examples, plan=plan, batch_size=8)
+        precision.set_tf32(False)
+        assert first["examples"] == again["examples"]
+        same = sum(a["pred"] == b["pred"] and a["pred_norm"] == b["pred_norm"]
+                   for a, b in zip(first["examples"], cpu["examples"]))
+        assert same >= agree, (plan.describe(), same)
+    torch._dynamo.reset()
+
+
+class CpuBatches:
+    """The loader's contract as the trainer uses it: next_batch() -> CPU (B, T) inputs and targets."""
+
+    def __init__(self, B, T):
+        self.B, self.T, self.n = B, T, 0
+
+    def next_batch(self):
+        self.n += 1
+        x, y = counting_batch(self.B, self.T, seed=self.n)
+        return x.cpu(), y.cpu()
+
+
+def test_count_syncs_sees_item():
+    assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum().item()) == 1
+    assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum()) == 0
+
+
+@pytest.mark.parametrize("precision_name", ["auto", "fp16"])
+def test_trainer_step_syncs_the_host_at_most_once(precision_name):
+    """The trainer's step (2 micro-steps, clip, fused AdamW, fp16's GradScaler) reads loss and norm in one
+    transfer and waits for the GPU nowhere else."""
+    plan = precision.make_plan("cuda:0", precision_name)
+    torch.manual_seed(0)
+    model = GPT(SMALL).cuda()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)  # fused on CUDA, as in training
+    scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
+    loader = CpuBatches(4, 64)
+
+    def step():
+        loss = accumulate_gradients(model, loader, 2, "cuda:0", plan, scaler, False)
+        return optimizer_step(model, optimizer, scaler, 1.0, 1e-3, loss)
+
+    step()  # the first step creates the optimizer state and the loss scale
+    assert bench.count_syncs(step) <= 1
 
 
 def test_finder_choice_runs():

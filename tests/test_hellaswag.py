@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hellaswag
-from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, packable,
-                       rows_of, score_one)
+from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
+                       packable, packed_len, rows_of, score_one)
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import make_plan
@@ -113,7 +113,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     rows = make_rows(9)
     ref_sum, ref_mean = hf_scores(hf_dir, rows, block_size=128)
     assert all(packable(ex, 128) for ex in examples)
-    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(examples)
+    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed([[ex] for ex in examples])
     assert idx.shape == (9, max(hellaswag.packed_len(ex) for ex in examples))  # one row per example, padded
     with torch.no_grad():
         p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)
@@ -129,11 +129,44 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
                               atol=1e-4)
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
+    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [4, 4, 1] and res["truncated"] == 0
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
     assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
+
+
+def test_examples_sharing_a_row_score_as_alone(model, examples):
+    """Several examples one after the other in a row (the compiled path's packing) see only their own
+    context: the losses equal one example per row, with SDPA and with the masked softmax."""
+    single = collate_packed([[ex] for ex in examples])
+    rows = [examples[0:3], examples[3:4], examples[4:9]]
+    T = max(sum(packed_len(ex) for ex in row) for row in rows)
+    shared = collate_packed(rows, shape=(4, T))  # and a padding row
+    assert shared[0].shape == (4, T) and T > model.config.block_size  # a row longer than any one example may be
+    sd = model.state_dict()  # the same weights with room for T positions (each example uses only its own < 128)
+    sd["transformer.wpe.weight"] = torch.cat([sd["transformer.wpe.weight"], torch.zeros(T - 128, 64)])
+    with torch.no_grad():
+        ref = batch_losses(model, *reorder(single))
+        for attn_impl in ("sdpa", "naive"):
+            wide = GPT(GPTConfig(**{**asdict(model.config), "attn_impl": attn_impl, "block_size": T})).eval()
+            wide.load_state_dict(sd)
+            got = batch_losses(wide, *reorder(shared))
+            for a, b in zip(ref, got):
+                assert torch.allclose(a, b, atol=1e-4), attn_impl
+    loop = torch.stack([score_one(model, ex)[0] for ex in examples])  # (9, 4)
+    assert torch.allclose(got[0].view(9, 4), loop, atol=1e-4)
+
+
+def test_pack_rows_fills_rows_best_fit():
+    lengths = [6, 5, 4, 3, 2, 9, 1, 1]
+    exs = [{"index": i, "ctx_tokens": [0] * n, "ending_tokens": [[0]] * 4} for i, n in enumerate(lengths)]
+    assert [packed_len(ex) for ex in exs] == lengths  # endings of 1 token feed nothing in
+    rows = pack_rows(exs, 10)
+    assert sorted(ex["index"] for row in rows for ex in row) == list(range(8))  # each example once
+    assert all(sum(packed_len(ex) for ex in row) <= 10 for row in rows)
+    assert [[packed_len(ex) for ex in row] for row in rows] == [[9, 1], [6, 4], [5, 3, 2], [1]]
+    assert pack_rows(exs[:1], 6) == [[exs[0]]]
 
 
 def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
@@ -143,7 +176,7 @@ def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
     assert [packable(ex, 128) for ex in examples] == [False] * 3 + [True] * 2
     assert not any(rows_of(ex, 128)[2] for ex in examples)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b: calls.append(len(b)) or collate_packed(b))
+    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [2] and res["truncated"] == 0 and res["n"] == 5
     loop = [score_one(model, ex) for ex in examples]
@@ -233,31 +266,95 @@ def test_cli_hf_dir_matches_checkpoint(hf_dir, model, examples, tmp_path):
     assert [e["pred_norm"] for e in outs[0]["examples"]] == [m.argmin().item() for _, m in loop]
 
 
-def test_compiled_model_compiles_once_and_mode_is_restored(model, examples):
-    graphs = []
+def counting_compile(model, graphs, backend="eager"):
+    """torch.compile(model) with static shapes whose backend records the input shapes of every graph
+    it is handed (one entry per compilation), then runs it with `backend` ("eager", "aot_eager", "inductor")."""
+    from torch._dynamo.backends.registry import lookup_backend
+    inner = lookup_backend(backend)
 
     def counting_backend(gm, example_inputs):
         graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
-        return gm.forward
+        return inner(gm, example_inputs)
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=counting_backend)
+    return torch.compile(model, backend=counting_backend, dynamic=False)
+
+
+def test_compiled_model_packs_compiles_once_and_mode_is_restored(model, examples, monkeypatch):
+    graphs, calls = [], []
+    compiled = counting_compile(model, graphs)
     model.train()
     compiled(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))  # a "training" step
     n_train = len(graphs)
-    ref = evaluate(model, examples, plan=CPU, batch_size=4)
+    ref = evaluate(model, examples, plan=CPU, batch_size=4)  # eager, packed
+    loop = [score_one(model, ex) for ex in examples]  # the one-example reference
     model.train()
-    first = evaluate(compiled, examples, plan=CPU, batch_size=4)  # 4 batches, the last one short
+    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(shape) or collate_packed(b, shape))
+    first = evaluate(compiled, examples, plan=CPU, batch_size=4)  # 3 batches, the last one short
     assert model.training
     n_eval = len(graphs) - n_train
-    again = evaluate(compiled, examples[:7], plan=CPU, batch_size=4)
+    again = evaluate(compiled, examples, plan=CPU, batch_size=4)
     model.eval()
-    # one graph at one fixed shape (16 rows, T a multiple of 8) for every batch, short or not, and call
+    # packed rows at one fixed shape (4 rows, T a multiple of 16) for every batch, short or not, and call
+    T = -(-max(packed_len(ex) for ex in examples) // 16) * 16
+    n_rows = len(pack_rows(examples, T))
+    assert n_rows < 9  # short examples share rows
+    assert calls == [(4, T)] * (2 * -(-n_rows // 4))
     assert n_eval == 1 and len(graphs) == n_train + 1
-    R, T = graphs[-1][0]
-    assert R == 16 and T % 8 == 0
-    assert first["examples"] == ref["examples"]
-    assert again["examples"] == ref["examples"][:7]
+    assert (4, T) in graphs[-1] and (4, T) in graphs[-1] and (4, 1, T, T) in graphs[-1]  # idx, pos ids, mask
+    assert first["examples"] == again["examples"] == ref["examples"]
+    assert [r["pred"] for r in first["examples"]] == [s.argmin().item() for s, _ in loop]
+    assert [r["pred_norm"] for r in first["examples"]] == [m.argmin().item() for _, m in loop]
+    torch._dynamo.reset()
+
+
+def test_compiled_packed_scores_equal_eager(model, examples):
+    """The compiled forward with pos and mask at a padded fixed shape (aot_eager: the graph autograd's
+    tracer produces, as inductor gets it) gives the eager packed losses; extra rows score nothing."""
+    graphs = []
+    compiled = counting_compile(model, graphs, backend="aot_eager")
+    batch = examples[:5]
+    with torch.no_grad():
+        tight = batch_losses(model, *reorder(collate_packed([[ex] for ex in batch])))
+        padded = collate_packed([[ex] for ex in batch], shape=(8, 128))
+        assert padded[0].shape == (8, 128) and padded[2].shape == (8, 1, 128, 128)
+        got = batch_losses(compiled, *reorder(padded))
+    assert len(graphs) == 1
+    for a, b in zip(tight, got):
+        assert torch.allclose(a, b[:20], atol=1e-4)
+    assert (got[0][20:] == 0).all()
+    torch._dynamo.reset()
+
+
+def reorder(packed):
+    """collate_packed's outputs in batch_losses' argument order."""
+    idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = packed
+    return idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask
+
+
+def test_compiled_mixed_rows_compile_once_per_path(model, tmp_path):
+    # 3 examples too long to pack (4 rows each) and 4 that pack: two fixed shapes, two graphs, same answers
+    rows = make_rows(3, seed=7, ctx_words=(50, 60), end_words=(18, 22)) + make_rows(4, seed=8)
+    examples = load_examples(data_file=write_rows(tmp_path / "mixed.jsonl", rows))
+    graphs = []
+    compiled = counting_compile(model, graphs)
+    res = evaluate(compiled, examples, plan=CPU, batch_size=2)
+    assert len(graphs) == 2
+    evaluate(compiled, examples, plan=CPU, batch_size=2)
+    assert len(graphs) == 2  # the next evaluation reuses both
+    loop = [score_one(model, ex) for ex in examples]
+    assert [r["pred"] for r in res["examples"]] == [s.argmin().item() for s, _ in loop]
+    assert [r["pred_norm"] for r in res["examples"]] == [m.argmin().item() for _, m in loop]
+    torch._dynamo.reset()
+
+
+def test_inductor_compiled_packed_equals_eager(model, examples):
+    """The real compiler (C++ codegen on a CPU): the in-training path end to end."""
+    graphs = []
+    compiled = counting_compile(model, graphs, backend="inductor")
+    ref = evaluate(model, examples, plan=CPU, batch_size=8)
+    res = evaluate(compiled, examples, plan=CPU, batch_size=8)
+    assert len(graphs) == 1 and res["examples"] == ref["examples"]
     torch._dynamo.reset()
 
 

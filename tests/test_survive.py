@@ -235,7 +235,7 @@ def test_second_signal_while_saving_leaves_no_broken_file(data_dir, tmp_path, mo
     assert signal.getsignal(signal.SIGINT) is handler  # the handlers are put back
     err = capsys.readouterr().err
     assert err.strip() == "SIGINT: stopped at once, nothing saved (the checkpoints in out_dir are as they were)"
-    assert sorted(os.listdir(out)) == ["ckpt_000002.pt", "ckpt_000004.pt", "config.json", "log.jsonl"]
+    assert sorted(os.listdir(out)) == ["ckpt_000002.pt", "ckpt_000004.pt", "config.json", "curves.png", "log.jsonl"]
     assert load_ckpt(os.path.join(out, "ckpt_000004.pt"))["step"] == 4
 
 
@@ -359,7 +359,7 @@ def test_keep_last(data_dir, tmp_path):
     os.makedirs(out)
     open(os.path.join(out, "ckpt_000003.pt.tmp"), "w").write("left by a killed save")
     assert main(args(data_dir, out, max_steps=8, checkpoint_interval=2, keep_last=2, resume="auto")) == 0
-    assert sorted(os.listdir(out)) == ["ckpt_000006.pt", "ckpt_000008.pt", "config.json", "log.jsonl"]
+    assert sorted(os.listdir(out)) == ["ckpt_000006.pt", "ckpt_000008.pt", "config.json", "curves.png", "log.jsonl"]
 
 # -----------------------------------------------------------------------------
 # divergence and outliers
