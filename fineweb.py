@@ -292,11 +292,20 @@ def load_manifest(out_dir):
     try:
         with open(path) as f:
             manifest = json.load(f)
-    except ValueError as e:
-        raise FineWebError(f"{path} is not valid JSON ({e}); move {out_dir} aside or delete it")
-    if not isinstance(manifest, dict) or not {"tokenizer", "settings", "shards"} <= manifest.keys():
+    except (ValueError, RecursionError, IsADirectoryError) as e:  # (ValueError: not JSON, not UTF-8)
+        raise FineWebError(f"{path} is not valid JSON ({one_line(e)}); move {out_dir} aside or delete it") from None
+    if not isinstance(manifest, dict) or not {"tokenizer", "settings", "shards"} <= manifest.keys() \
+            or not isinstance(manifest["settings"], dict) or not isinstance(manifest["shards"], list) \
+            or not all(map(is_shard_entry, manifest["shards"])):
         raise FineWebError(f"{path} is not a manifest this script wrote; move {out_dir} aside or delete it")
     return manifest
+
+
+def is_shard_entry(s):
+    """Whether s is a manifest's shard entry: {"name": a file name, "tokens", "sha256", "next": [doc, offset]}."""
+    return (isinstance(s, dict) and isinstance(s.get("name"), str) and s["name"] == os.path.basename(s["name"]) != ""
+            and type(s.get("tokens")) is int and isinstance(s.get("sha256"), str) and isinstance(s.get("next"), list)
+            and len(s["next"]) == 2 and all(type(v) is int for v in s["next"]))
 
 
 def check_shard(out_dir, shard):
