@@ -15,6 +15,7 @@ and `--time_limit=MINUTES` finish the step, save and print the command that cont
 """
 import bisect
 import dataclasses
+import datetime
 import difflib
 import errno
 import importlib.util
@@ -103,6 +104,7 @@ class Config:
     precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
     compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true, false
     seed: int = 1337  # the run's random seed (initial weights, samples)
+    dist_timeout: int = 600  # seconds a rank waits for its peers in a collective before giving up (torchrun)
     # memory: for models that do not fit (see bench/README.md for what fits where)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and AdamW state over the ranks (FSDP2)
     activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
@@ -196,7 +198,7 @@ def parse_args(argv):
 
 def validate(cfg):
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
-                "total_batch_size", "max_steps", "val_steps", "num_samples"):
+                "total_batch_size", "max_steps", "val_steps", "num_samples", "dist_timeout"):
         if getattr(cfg, key) != "auto" and getattr(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
@@ -782,6 +784,15 @@ def zscore(window, x):
 # the training loop
 
 
+def peer_failure(e):
+    """Whether a RuntimeError is a collective that failed for want of a peer: torch.distributed's own
+    errors, and the backends' timeouts and closed connections that DDP's reducer raises as plain
+    RuntimeErrors."""
+    return isinstance(e, dist.DistError) or any(s in str(e) for s in (
+        "Timed out waiting", "Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+        "Watchdog caught collective operation timeout"))
+
+
 def main(argv):
     ddp = "RANK" in os.environ  # launched by torchrun
     rank = int(os.environ.get("RANK", 0))
@@ -799,6 +810,14 @@ def main(argv):
         if master:
             print(f"error: {e}", file=sys.stderr)
         return 3
+    except RuntimeError as e:  # a peer stopped answering (dist_timeout) or died: said by the rank that saw it
+        if not (ddp and peer_failure(e)):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        print(f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): check that every "
+              "node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints written so far are "
+              "intact, continue with --resume=auto", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # Ctrl-C before training began, or a second one while stopping
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         if master:
@@ -825,7 +844,11 @@ def train(argv, ddp, rank, master):
             raise UserError("torchrun on MPS is not supported: run one process, or use --device=cpu")
         if device_type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # NCCL: the watchdog tears a hung collective down after dist_timeout (3: without cleanup, the
+        # torch default; 0 would leave it blocking forever); gloo raises in the waiting rank
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))
 
     # precision: every hardware decision comes from the plan (precision.py), announced in one line
     plan = precision.make_plan(device, cfg.precision, cfg.compile)
@@ -843,6 +866,12 @@ def train(argv, ddp, rank, master):
 
     # model, optimizer, loss scaler: fresh or from the newest checkpoint (resume_checkpoint decides)
     ckpt = resume_checkpoint(cfg, given, say)
+    if ddp:  # every rank continues from the same step, or none does: out_dir must be one folder all nodes see
+        held = float(ckpt["step"]) if ckpt is not None else -1.0
+        if precision.agree(held, "min", device) != precision.agree(held, "max", device):
+            raise UserError(f"the ranks find different checkpoints in out_dir {cfg.out_dir!r} (rank {rank}: "
+                            f"{'step ' + str(ckpt['step']) if ckpt is not None else 'none'}): put out_dir on a filesystem "
+                            "every node sees, or copy the newest ckpt_*.pt to every node's out_dir")
     evals_done = ckpt is not None and ckpt.get("evals_done", True)  # False: the evals at its step are still to run
     if ckpt is not None and (ckpt["step"] > cfg.max_steps or ckpt["step"] == cfg.max_steps and evals_done):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "

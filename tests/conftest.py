@@ -84,3 +84,30 @@ class Launched:
                 pass
             p.wait()
         return False
+
+
+def torchrun_workers(launcher_pid):
+    """{global rank: pid} of the workers a torchrun launcher started (its children whose environment holds RANK)."""
+    workers = {}
+    for tid in os.listdir(f"/proc/{launcher_pid}/task"):
+        with open(f"/proc/{launcher_pid}/task/{tid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/environ") as f:
+                    env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+            except OSError:  # gone already
+                continue
+            if "RANK" in env:
+                workers[int(env["RANK"])] = pid
+    return workers
+
+
+def wait_for(predicate, timeout, what):
+    """Poll predicate() every 20 ms until it is true; AssertionError naming what after timeout seconds."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.02)

@@ -1,10 +1,15 @@
-"""Several machines, simulated on one: two torchrun launchers meet through a c10d rendezvous on 127.0.0.1
-(--nnodes=2 --nproc_per_node=1) and must train exactly the run that one process trains."""
+"""Several machines, simulated on one (127.0.0.1 only, gloo): two torchrun launchers meet through a c10d
+rendezvous and train exactly the run one process trains; a worker killed under --max_restarts is
+restarted by torchrun and the run resumes to the same weights; a peer that stops answering ends the
+others within dist_timeout, with one line."""
 import os
+import signal
 import sys
+import time
 
-from conftest import Launched, free_port, torchrun_env
-from test_train import load_ckpt, step_losses, tiny_args, write_shards
+from conftest import Launched, free_port, torchrun_env, torchrun_workers, wait_for
+from model import read_checkpoint
+from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
 COMMON = dict(max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=0, max_lr=1e-3, min_lr=1e-4)
@@ -31,3 +36,76 @@ def test_two_nodes_match_one_process(tmp_path):
     wa = load_ckpt(os.path.join(one, "ckpt_000004.pt"))["model"]
     wb = load_ckpt(os.path.join(two, "ckpt_000004.pt"))["model"]
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def standalone(args, *flags):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *flags, "train_gpt2.py",
+            *args]
+
+
+ELASTIC = dict(max_steps=60, total_batch_size=128, eval_interval=20, checkpoint_interval=5, max_lr=1e-3, min_lr=1e-4,
+               val_steps=2, resume="auto")
+
+
+def test_killed_worker_restarts_and_ends_with_the_same_weights(tmp_path):
+    """SIGKILL one worker mid-run (no chance to save): torchrun --max_restarts=1 restarts the group, resume=auto
+    continues from the newest complete checkpoint, and the run ends as one never interrupted did."""
+    data = write_shards(str(tmp_path / "data"))
+    straight, elastic = str(tmp_path / "straight"), str(tmp_path / "elastic")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Launched([standalone(tiny_args(data, straight, **ELASTIC))], tmp_path / "a", env=torchrun_env()) as run:
+        assert run.wait(timeout=180) == [0], run.logs()
+    with Launched([standalone(tiny_args(data, elastic, **ELASTIC), "--max_restarts=1")], tmp_path / "b",
+                  env=torchrun_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")) as run:
+        wait_for(lambda: os.path.exists(os.path.join(elastic, "ckpt_000010.pt")), 120, "the first checkpoints")
+        rank1 = torchrun_workers(run.procs[0].pid)[1]
+        os.kill(rank1, signal.SIGSTOP)  # frozen first (rank 0 waits for it), so the kill lands mid-run
+        os.kill(rank1, signal.SIGKILL)
+        assert run.wait(timeout=180) == [0], run.logs()
+        logs = run.logs(tail=100000)
+    assert "resuming from" in logs and "ckpt_0000" in logs
+    a, b = load_ckpt(os.path.join(straight, "ckpt_000060.pt")), load_ckpt(os.path.join(elastic, "ckpt_000060.pt"))
+    assert max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]) <= 1e-6
+    steps = [e["step"] for e in read_log(elastic) if "loss" in e]
+    assert steps == list(range(60))  # every step once: the redone ones were not logged twice
+    assert step_losses(elastic) == step_losses(straight)
+
+
+def test_hung_peer_ends_the_others_within_dist_timeout(tmp_path):
+    """A rank that stops answering without dying (SIGSTOP: a paused VM, a stuck node): the others give up after
+    dist_timeout (5 s here, 600 by default, gloo's own is 30 minutes) with one line and a non-zero exit."""
+    data = write_shards(str(tmp_path / "data"))
+    out = str(tmp_path / "out")
+    args = tiny_args(data, out, max_steps=5000, total_batch_size=128, eval_interval=0, checkpoint_interval=5,
+                     max_lr=1e-3, min_lr=1e-4, dist_timeout=5)
+    with Launched([standalone(args)], tmp_path, env=torchrun_env()) as run:
+        wait_for(lambda: os.path.exists(os.path.join(out, "ckpt_000010.pt")), 120, "the first checkpoints")
+        os.kill(torchrun_workers(run.procs[0].pid)[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        line = "error: rank 0: a peer did not answer within dist_timeout"
+        wait_for(lambda: line in run.logs(tail=100000), 5 + 25, "rank 0's line")
+        assert time.monotonic() - stopped >= 4  # it did wait for the peer, about dist_timeout
+        wait_for(lambda: run.procs[0].poll() is not None, 60, "torchrun's exit")  # it kills the stopped rank too
+        assert run.procs[0].returncode != 0
+        ours = [l for l in run.logs(tail=100000).splitlines() if l.startswith("[rank0]")]
+        assert not ours, ours  # no traceback of ours: the one line only
+    newest = max(f for f in os.listdir(out) if f.startswith("ckpt_") and f.endswith(".pt"))
+    assert read_checkpoint(os.path.join(out, newest))["step"] >= 10  # what was written stays loadable
+
+
+def test_nodes_that_see_different_checkpoints_refuse_to_start(tmp_path):
+    """out_dir not shared between the nodes: node 0 holds a checkpoint, node 1 none. Every rank must stop at
+    start-up with one line, not train on from different steps (or hang)."""
+    data = write_shards(str(tmp_path / "data"))
+    node0, node1 = str(tmp_path / "node0"), str(tmp_path / "node1")
+    assert main(tiny_args(data, node0, **COMMON, val_steps=4)) == 0  # a finished 4-step run, ckpt_000004.pt
+    port = free_port()
+    more = dict(COMMON, max_steps=8, val_steps=2, resume="auto")
+    with Launched([launcher(port, tiny_args(data, node0, **more)), launcher(port, tiny_args(data, node1, **more))],
+                  tmp_path, env=torchrun_env()) as run:
+        codes = run.wait(timeout=120)
+        logs = run.logs(tail=100000)
+    assert codes[0] != 0 and "the ranks find different checkpoints in out_dir" in logs, logs
+    assert not [line for line in logs.splitlines() if line.startswith("[rank")]  # one line per rank, no traceback
+    assert sorted(f for f in os.listdir(node0) if f.endswith(".pt")) == ["ckpt_000004.pt"]  # nothing trained on
