@@ -67,16 +67,29 @@ def check_output_file(path, option):
 
 
 @contextmanager
+def naming(path):
+    """An OSError raised inside that names no file (a write's ENOSPC, np.save's short write, which do
+    not) is raised again naming path, so that the one line fail() prints says which file it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), path) from e
+
+
+@contextmanager
 def replacing(path, suffix=".tmp"):
     """Yields a temp path beside path; when the block succeeds the file is fsynced and renamed to path.
     On an error the temp file is removed and path is untouched. (suffix: e.g. ".tmp.png" for writers
     that pick the format from the name.)"""
     tmp = path + suffix
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming(path):
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -96,18 +109,19 @@ def replacing_dir(path):
     path = os.path.normpath(path)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path) or ".")
     try:
-        yield tmp
-        for root, _, names in os.walk(tmp):
-            for name in names:
-                with open(os.path.join(root, name), "rb+") as f:
-                    os.fsync(f.fileno())
-        if os.path.exists(path):
-            old = tmp + "-old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+        with naming(path):
+            yield tmp
+            for root, _, names in os.walk(tmp):
+                for name in names:
+                    with open(os.path.join(root, name), "rb+") as f:
+                        os.fsync(f.fileno())
+            if os.path.exists(path):
+                old = tmp + "-old"
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)

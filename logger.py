@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from fileio import UserError
+from fileio import UserError, naming
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
@@ -73,7 +73,7 @@ class RunLog:
         atexit.register(self.close)  # flushed on every way out, an exception included
 
     def write(self, event, **extra):
-        with open(self.path, "a") as f:
+        with naming(self.path), open(self.path, "a") as f:  # (a full disk: the rows before this one stay whole)
             f.write(json.dumps(event) + "\n")
         scalars = {k: v for k, v in {**event, **extra}.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}

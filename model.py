@@ -462,7 +462,7 @@ def export(src, out_dir):
         except Exception as e:  # safetensors reports a failed write (a full disk) as its own error type
             if type(e).__name__ != "SafetensorError":
                 raise
-            raise OSError(errno.EIO, f"could not write {out_dir} ({e})") from None
+            raise OSError(errno.EIO, str(e)) from None
         write_hf_tokenizer(tmp, model_max_length=model.config.block_size)
     return model
 

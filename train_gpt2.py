@@ -512,7 +512,7 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, cfg, loader, devic
         try:
             torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
         except RuntimeError as e:  # torch's own report of a short write
-            raise OSError(errno.EIO, f"could not write {path} ({str(e).strip()[:200]})") from None
+            raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
 
 
 def finite_state(raw_model, optimizer, device):

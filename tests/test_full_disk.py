@@ -1,0 +1,196 @@
+"""A full disk or an I/O error while writing loses nothing: one `error:` line, exit 1, the previous
+good file intact and loadable, and the same command run again (once there is space) ends exactly as
+an uninterrupted run. The write is made to fail by patching it to raise OSError(ENOSPC) part-way,
+after some bytes went out; one test makes a real write fail, with a file-size limit on the process.
+"""
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fineweb
+import logger
+import model as model_py
+import train_gpt2
+from model import GPT, GPTConfig
+from test_export import random_model, save_ckpt
+from test_fineweb import DOCS, snapshot, write_txt
+from test_survive import assert_same_state
+from test_train import ROOT, tiny_args, write_shards
+
+def failing_on(call, real, write_half):
+    """A stand-in for a writer that behaves as `real` except on its call-th call, where it writes
+    half of what it was given (write_half(args) does that) and raises ENOSPC."""
+    calls = []
+
+    def writer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            write_half(*args)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+    return writer
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def no_debris(d):
+    left = [f for f in os.listdir(d) if ".tmp" in f]
+    assert not left, left
+
+# -----------------------------------------------------------------------------
+# the trainer: checkpoints and log.jsonl
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_shards(str(tmp_path_factory.mktemp("shards")))
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("straight"))
+    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 0  # 8 steps, checkpoints at 4 and 8
+    return out
+
+
+def log_rows(out_dir):
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in ("dt_ms", "tok_per_s")} for r in rows]
+
+
+def test_checkpoint_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(torch, "save", failing_on(2, torch.save, lambda obj, f: f.write(b"PK\x03\x04 half a zip")))
+    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 1
+    line = one_error_line(capsys)
+    assert os.path.join(out, "ckpt_000008.pt") in line and "No space left on device; free some space" in line
+    monkeypatch.undo()
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == ["ckpt_000004.pt"]  # the earlier one stays
+    no_debris(out)
+    assert_same_state(os.path.join(out, "ckpt_000004.pt"), os.path.join(straight, "ckpt_000004.pt"))
+    GPT.from_checkpoint(os.path.join(out, "ckpt_000004.pt"))  # loadable
+    # space again: the same command, continued, ends as the run that never failed
+    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0, resume="auto")) == 0
+    assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
+    assert log_rows(out) == log_rows(straight)
+
+
+def test_log_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):
+    """log.jsonl is appended to: the rows before the failed one stay, a half-written row is dropped on resume."""
+    out = str(tmp_path / "run")
+
+    def half_row(path, mode="r", *a):
+        with open(path, mode) as f:
+            f.write('{"step": 6, "lo')
+    monkeypatch.setattr(logger, "open", failing_on(9, open, half_row), raising=False)  # the 9th row: step 6's loss
+    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 1
+    assert os.path.join(out, "log.jsonl") in one_error_line(capsys)
+    monkeypatch.undo()
+    lines = open(os.path.join(out, "log.jsonl")).read().splitlines()
+    assert lines[-1] == '{"step": 6, "lo'  # the rows before it are whole:
+    assert [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tok_per_s")} for line in lines[:-1]] \
+        == log_rows(straight)[:8]
+    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0, resume="auto")) == 0
+    assert log_rows(out) == log_rows(straight)
+    assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
+
+
+def test_a_real_write_error_is_one_line_and_exit_1(data_dir, straight, tmp_path):
+    """Not patched: the process may write no file larger than half a checkpoint (RLIMIT_FSIZE; Python
+    ignores SIGXFSZ, so the write fails with EFBIG). torch.save reports that as a RuntimeError; the
+    trainer says it in one line, exit 1, and leaves no file under the checkpoint's name."""
+    limit = os.path.getsize(os.path.join(straight, "ckpt_000004.pt")) // 2
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *tiny_args(data_dir, out)], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {os.path.join(out, 'ckpt_000004.pt')}: "), r.stderr
+    assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
+    assert [row["step"] for row in log_rows(out) if "loss" in row] == [0, 1, 2, 3]  # the log up to the failed save
+
+# -----------------------------------------------------------------------------
+# fineweb.py: shards and manifest.json
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_txt(tmp_path_factory.mktemp("corpus"), DOCS)
+
+
+def build(corpus, out):
+    return fineweb.main(["--source", *corpus, "--out_dir", str(out), "--shard_size", "37", "--num_proc", "1"])
+
+
+@pytest.fixture(scope="module")
+def reference_shards(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    assert build(corpus, out) == 0
+    return snapshot(out)
+
+
+def test_shard_on_a_full_disk(corpus, reference_shards, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    monkeypatch.setattr(np, "save", failing_on(3, np.save, lambda f, a: f.write(b"\x93NUMPY half")))
+    assert build(corpus, out) == 1
+    line = one_error_line(capsys)
+    assert "_train_000002.npy: No space left on device; free some space and run the same command again" in line
+    monkeypatch.undo()
+    no_debris(out)
+    manifest = json.load(open(out / "manifest.json"))  # the previous one: lists the two shards on disk
+    assert {s["name"] for s in manifest["shards"]} == {f for f in os.listdir(out) if f.endswith(".npy")}
+    assert len(manifest["shards"]) == 2 and not manifest["complete"]
+    assert fineweb.main(["--verify", "--out_dir", str(out)]) == 0  # what is there matches it
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert build(corpus, out) == 0  # space again: the same command resumes
+    assert snapshot(out) == reference_shards
+
+
+def test_manifest_on_a_full_disk(corpus, reference_shards, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    monkeypatch.setattr(json, "dump", failing_on(2, json.dump, lambda obj, f, **kw: f.write('{"tokenizer": ')))
+    assert build(corpus, out) == 1
+    assert str(out / "manifest.json") in one_error_line(capsys)
+    monkeypatch.undo()
+    no_debris(out)
+    assert len(json.load(open(out / "manifest.json"))["shards"]) == 1  # the previous manifest, whole
+    assert build(corpus, out) == 0
+    assert snapshot(out) == reference_shards
+
+# -----------------------------------------------------------------------------
+# model.py export
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "SafetensorError"])
+def test_export_on_a_full_disk(error, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+    ckpt, out = save_ckpt(random_model(), tmp_path / "ckpt_000010.pt"), str(tmp_path / "hf")
+    assert model_py.main(["export", ckpt, out]) == 0
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+
+    def dying_save_pretrained(self, tmp):
+        open(os.path.join(tmp, "model.safetensors"), "wb").write(b"half")
+        if error == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(GPT, "save_pretrained", dying_save_pretrained)
+    assert model_py.main(["export", ckpt, out]) == 1
+    line = one_error_line(capsys)
+    assert out in line and "No space left on device" in line
+    monkeypatch.undo()
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # the previous export
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.pt", "hf"]  # no half-built directory beside it
+    loaded = GPT.load(out, verbose=False)
+    assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, random_model().transformer.h[0].mlp.c_fc.weight)
