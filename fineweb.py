@@ -52,7 +52,7 @@ class FineWebError(UserError):
 
 def parse_args(argv):
     p = ArgumentParser(prog="fineweb.py", description="Tokenize FineWeb-Edu (or local files) into GPT-2 uint16 shards.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hugging Face dataset to stream")
     p.add_argument("--name", default="sample-10BT", help="the dataset's subset (config)")
     p.add_argument("--split", default="train", help="the dataset's split")

@@ -227,7 +227,7 @@ def test_second_signal_while_saving_leaves_no_broken_file(data_dir, tmp_path, mo
 
     def slow_save(obj, f, real=torch.save):
         real(obj, f)
-        if f.endswith("ckpt_000005.pt.tmp"):  # written, not yet renamed: Ctrl-C again
+        if getattr(f, "name", f).endswith("ckpt_000005.pt.tmp"):  # written, not yet renamed: Ctrl-C again
             os.kill(os.getpid(), signal.SIGINT)
     monkeypatch.setattr(torch, "save", slow_save)
     handler = signal.getsignal(signal.SIGINT)
