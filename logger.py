@@ -60,6 +60,7 @@ class RunLog:
 
     def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name=""):
         self.path = os.path.join(out_dir, "log.jsonl")
+        self.file = open(self.path, "a", buffering=1)  # kept open for the run; line-buffered: each row lands whole
         tb = load("tensorboard") if tensorboard else None
         wandb = load("wandb_project") if wandb_project else None
         self.tb = tb.SummaryWriter(log_dir=out_dir, flush_secs=30) if tb else None
@@ -73,8 +74,8 @@ class RunLog:
         atexit.register(self.close)  # flushed on every way out, an exception included
 
     def write(self, event, **extra):
-        with naming(self.path), open(self.path, "a") as f:  # (a full disk: the rows before this one stay whole)
-            f.write(json.dumps(event) + "\n")
+        with naming(self.path):  # (a full disk: one error line naming log.jsonl; the rows before stay whole)
+            self.file.write(json.dumps(event) + "\n")
         scalars = {k: v for k, v in {**event, **extra}.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb:
@@ -84,6 +85,11 @@ class RunLog:
             self.wandb.log(scalars, step=event["step"])
 
     def close(self):
+        if not self.file.closed:
+            try:
+                self.file.close()
+            except OSError:  # the rest of a row a full disk refused: that write already said so
+                pass
         if self.tb:
             self.tb.close()
             self.tb = None

@@ -87,35 +87,64 @@ def test_checkpoint_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, ca
     assert log_rows(out) == log_rows(straight)
 
 
+class FillingUp:
+    """A file that takes `rows` writes, then half of the next one, and then fails: a disk filling up."""
+
+    def __init__(self, f, rows):
+        self.f, self.rows = f, rows
+
+    def write(self, text):
+        self.rows -= 1
+        if self.rows < 0:
+            self.f.write(text[:len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def test_log_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):
     """log.jsonl is appended to: the rows before the failed one stay, a half-written row is dropped on resume."""
     out = str(tmp_path / "run")
-
-    def half_row(path, mode="r", *a):
-        with open(path, mode) as f:
-            f.write('{"step": 6, "lo')
-    monkeypatch.setattr(logger, "open", failing_on(9, open, half_row), raising=False)  # the 9th row: step 6's loss
+    monkeypatch.setattr(logger, "open", lambda *a, **k: FillingUp(open(*a, **k), 8), raising=False)
     assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 1
     assert os.path.join(out, "log.jsonl") in one_error_line(capsys)
     monkeypatch.undo()
     lines = open(os.path.join(out, "log.jsonl")).read().splitlines()
-    assert lines[-1] == '{"step": 6, "lo'  # the rows before it are whole:
+    assert len(lines) == 9 and not lines[-1].endswith("}")  # the 9th row (step 6's loss) cut in half;
     assert [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tok_per_s")} for line in lines[:-1]] \
-        == log_rows(straight)[:8]
+        == log_rows(straight)[:8]  # the rows before it are whole
     assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0, resume="auto")) == 0
     assert log_rows(out) == log_rows(straight)
     assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
 
 
-def test_a_real_write_error_is_one_line_and_exit_1(data_dir, straight, tmp_path):
-    """Not patched: the process may write no file larger than half a checkpoint (RLIMIT_FSIZE; Python
-    ignores SIGXFSZ, so the write fails with EFBIG). torch.save reports that as a RuntimeError; the
-    trainer says it in one line, exit 1, and leaves no file under the checkpoint's name."""
-    limit = os.path.getsize(os.path.join(straight, "ckpt_000004.pt")) // 2
+def run_limited(args, limit, tmp_path):
+    """train_gpt2.py in a subprocess that may write no file larger than limit bytes (RLIMIT_FSIZE; Python
+    ignores SIGXFSZ, so such a write fails with EFBIG, as on a full disk)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+
+
+def test_a_real_log_write_error_is_one_line_and_exit_1(data_dir, tmp_path):
+    """Unpatched: log.jsonl outgrows the limit (config.json does not). One line, exit 1, and nothing more
+    at exit (the kept-open log.jsonl, closed at exit, holds the rest of the refused row)."""
     out = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *tiny_args(data_dir, out)], cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    r = run_limited(tiny_args(data_dir, out, max_steps=40, eval_interval=0, checkpoint_interval=0), 1500, tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {os.path.join(out, 'log.jsonl')}: "), r.stderr
+    assert os.path.getsize(os.path.join(out, "log.jsonl")) == 1500
+    assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
+
+
+def test_a_real_checkpoint_write_error_is_one_line_and_exit_1(data_dir, straight, tmp_path):
+    """Unpatched: no file may be larger than half a checkpoint. One line, exit 1, no file under the
+    checkpoint's name, the log up to the failed save."""
+    out = str(tmp_path / "run")
+    r = run_limited(tiny_args(data_dir, out), os.path.getsize(os.path.join(straight, "ckpt_000004.pt")) // 2, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {os.path.join(out, 'ckpt_000004.pt')}: "), r.stderr
     assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
