@@ -13,6 +13,10 @@ import os
 from contextlib import contextmanager
 
 
+class UserError(Exception):
+    """Bad input: printed as one line `error: ...`, exit 2."""
+
+
 @contextmanager
 def replacing(path, suffix=".tmp"):
     """Yields a temp path beside path; when the block succeeds the file is fsynced and renamed to path.
