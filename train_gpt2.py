@@ -11,7 +11,6 @@ of `Config` below; `--key=value` overrides them. The resolved config is printed 
 out_dir/config.json; progress goes to the console and to out_dir/log.jsonl; checkpoints to
 out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
 """
-import bisect
 import dataclasses
 import difflib
 import functools
@@ -27,17 +26,14 @@ import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fileio import replacing, write_json
+import data
+from data import TokenLoader, shard_paths
+from fileio import UserError, replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, estimate_mfu, flops_per_token
-
-
-class UserError(Exception):
-    """Bad input: main() prints `error: <message>` on one line and exits non-zero."""
 
 # -----------------------------------------------------------------------------
 # config: typed defaults (build-nanogpt's 124M recipe), config files, --key=value overrides
@@ -47,7 +43,9 @@ class UserError(Exception):
 class Config:
     # data and output
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
-    data_source: str = "fineweb"  # "pydoc": if data_dir has no shards, build a tiny corpus from Python's docs
+    data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
+    data: str = ""  # your own text (a file, folder or glob): tokenized into a cache beside out_dir, used instead of data_dir
+    shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
     out_dir: str = "out"
     # model
     init_from: str = "scratch"  # "scratch", a GPT-2 name (gpt2 .. gpt2-xl), a save_pretrained dir or a ckpt_*.pt
@@ -87,7 +85,7 @@ class Config:
 
 
 CHOICES = {
-    "data_source": ("fineweb", "pydoc"),
+    "data_source": ("fineweb", "python"),
     "device": ("auto", "cpu", "cuda", "mps"),
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "compile": ("auto", "true", "false"),
@@ -261,103 +259,6 @@ def amp_context(device_type, plan):
     sdpa = sdpa_context(plan.sdpa_backends if device_type == "cuda" else ())
     with torch.autocast(device_type, dtype=plan.dtype, enabled=plan.dtype != torch.float32), sdpa:
         yield
-
-# -----------------------------------------------------------------------------
-# data: the uint16 token shards written by fineweb.py, memory-mapped, read as one continuous stream
-
-
-def shard_paths(data_dir, split):
-    """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
-    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}` (or try `python train_gpt2.py configs/quickstart.py`)"
-    if not os.path.isdir(data_dir):
-        raise UserError(f"data_dir {data_dir!r} does not exist: {how}")
-    paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".npy") and split in f)
-    if not paths:
-        raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
-    return paths
-
-
-class TokenLoader:
-    """(B, T) batches of consecutive tokens from one split. Its shards are read as one stream that wraps
-    around at its end; a batch may straddle two shards, so no token is skipped at a shard boundary.
-    Per call, rank r of W reads the r-th of W consecutive B*T-token slices (plus one token for the
-    targets), and the stream position moves by W*B*T. The position is the loader's only state: it
-    draws no randomness, so the same position always gives the same batches."""
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None):
-        self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
-        self.paths = shard_paths(data_dir, split)
-        self.shards = [np.load(p, mmap_mode="r") for p in self.paths]  # memory-mapped: pages in on demand
-        for path, shard in zip(self.paths, self.shards):
-            if shard.dtype != np.uint16 or shard.ndim != 1:
-                raise UserError(f"{path} holds {shard.dtype} {tuple(shard.shape)}, not the 1-D uint16 tokens fineweb.py writes")
-        self.offsets = np.cumsum([0] + [len(s) for s in self.shards]).tolist()  # shard i starts at offsets[i]
-        self.n_tokens = self.offsets[-1]
-        if self.n_tokens <= B * T:
-            raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer than one "
-                            f"micro-batch needs ({B} x {T} + 1): prepare more data or lower micro_batch_size/seq_len")
-        self.pos = 0
-
-    def reset(self):
-        self.pos = 0
-
-    def read(self, start, n):
-        """n tokens of the stream from position start (wrapping around), as int64."""
-        out = np.empty(n, dtype=np.int64)
-        filled, start = 0, start % self.n_tokens
-        while filled < n:
-            i = bisect.bisect_right(self.offsets, start) - 1  # the shard holding position start
-            local = start - self.offsets[i]
-            take = min(n - filled, len(self.shards[i]) - local)
-            out[filled:filled + take] = self.shards[i][local:local + take]
-            filled, start = filled + take, (start + take) % self.n_tokens
-        return out
-
-    def next_batch(self):
-        B, T = self.B, self.T
-        buf = torch.from_numpy(self.read(self.pos + self.rank * B * T, B * T + 1))  # (B*T+1,)
-        self.pos = (self.pos + self.world_size * B * T) % self.n_tokens
-        if self.vocab_size is not None and int(buf.max()) >= self.vocab_size:
-            raise UserError(f"the data holds token id {int(buf.max())} but vocab_size is {self.vocab_size}: raise vocab_size")
-        return buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs (B, T), targets (B, T)
-
-    def state_dict(self):
-        return {"pos": self.pos, "n_tokens": self.n_tokens, "shards": [os.path.basename(p) for p in self.paths]}
-
-    def load_state_dict(self, state):
-        if state["n_tokens"] != self.n_tokens or state["shards"] != [os.path.basename(p) for p in self.paths]:
-            raise UserError(f"the shards in data_dir differ from the checkpoint's ({len(state['shards'])} shards, "
-                            f"{state['n_tokens']} tokens): resume with the data it was trained on")
-        self.pos = state["pos"]
-
-
-QUICKSTART_SHARD_SIZE = 20_000  # tokens: the first shard is the val split, the rest (~100K tokens) train
-
-
-def prepare_pydoc_corpus(data_dir):
-    """A corpus that needs no network: the topic pages of Python's own help() (pydoc_data.topics,
-    ~0.5 MB of English and code that ships with CPython), one .txt file per topic, tokenized into
-    shards by fineweb.py."""
-    try:
-        from pydoc_data.topics import topics
-        import fineweb
-    except ImportError as e:
-        raise UserError(f"cannot build the quickstart corpus: {e} (fineweb.py and Python's pydoc_data are needed)") from None
-    src = os.path.join(data_dir, "source")
-    os.makedirs(src, exist_ok=True)
-    files = []
-    for name, text in sorted(topics.items()):
-        path = os.path.join(src, re.sub(r"[^\w.-]", "_", name) + ".txt")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        files.append(path)
-    print(f"building the quickstart corpus in {data_dir} from {len(files)} pydoc topics")
-    if fineweb.main(["--source", *files, "--out_dir", data_dir, "--shard_size", str(QUICKSTART_SHARD_SIZE)]) != 0:
-        raise UserError("fineweb.py could not build the quickstart corpus (see its message above)")
-
-
-def has_shards(data_dir):
-    return os.path.isdir(data_dir) and any(f.endswith(".npy") for f in os.listdir(data_dir))
 
 # -----------------------------------------------------------------------------
 # model
@@ -605,9 +506,9 @@ def train(argv, ddp, rank, master):
     if preset:
         say(f"sm7x preset (set these keys to override): {', '.join(f'{k}={v}' for k, v in preset.items())}")
 
-    # data: there before anything slow (rank 0 builds the quickstart corpus if asked; the others wait)
-    if cfg.data_source == "pydoc" and master and not has_shards(cfg.data_dir):
-        prepare_pydoc_corpus(cfg.data_dir)
+    # data: there before anything slow (rank 0 tokenizes --data or builds the quickstart corpus; the others wait)
+    rows = world_size * (cfg.micro_batch_size if cfg.micro_batch_size != "auto" else 1)  # one batch's rows, at least
+    cfg.data_dir = data.prepare(cfg, rows, build=master)
     if ddp:
         dist.barrier()
     for split in ("train", "val"):
@@ -639,8 +540,8 @@ def train(argv, ddp, rank, master):
     # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
     grad_accum = resolve_micro_batch_size(cfg, world_size, raw_model, optimizer, device, plan, say)
     B, T = cfg.micro_batch_size, cfg.seq_len
-    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
-    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
+    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size, cfg.shuffle, cfg.seed)
+    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size, shuffle=False)
 
     start_step = 0
     if ckpt is not None:

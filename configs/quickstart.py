@@ -5,8 +5,8 @@
 # (pydoc_data.topics, ~140K GPT-2 tokens: 20K for val, the rest train), through fineweb.py.
 # Expect the val loss to fall from 10.76 to ~5.8, a checkpoint in out/quickstart/ and a few samples
 # that look like Python documentation only from far away.
-data_dir = "data/quickstart"
-data_source = "pydoc"
+data_dir = "data/python"
+data_source = "python"
 out_dir = "out/quickstart"
 n_layer = 4
 n_head = 4
