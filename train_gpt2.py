@@ -2,6 +2,7 @@
 Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one device or many.
 
     python train_gpt2.py configs/quickstart.py                  # CPU smoke run: a minute or two on 2 cores
+    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # your own text: a file, folder or glob
     python train_gpt2.py configs/gpt2_124m.py                   # build-nanogpt's 124M recipe, one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --out_dir=out/try
