@@ -266,6 +266,8 @@ def prepare_python_corpus(data_dir):
     """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
     the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py. Only into a folder
     that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        return  # a file: shard_paths() says what to do instead
     manifest = os.path.join(data_dir, fineweb.MANIFEST)
     if has_shards(data_dir) and (not os.path.exists(manifest) or fineweb.load_manifest(data_dir).get("complete")):
         return
