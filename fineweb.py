@@ -4,20 +4,26 @@ FineWeb-Edu -> GPT-2 token shards for the trainer.
     python fineweb.py                                  # sample-10BT -> edu_fineweb10B/, 100M tokens a shard
     python fineweb.py --max_tokens 200000000           # a trial: stop after 200M tokens
     python fineweb.py --source a.txt b.jsonl.gz c.parquet --out_dir data/mine --shard_size 1000000
+    python fineweb.py --source notes/*.md --out_dir data/notes --shard_size 100000 --val_fraction 0.01
     python fineweb.py --verify                         # re-check every shard against manifest.json
     python fineweb.py --bench                          # our tokenizer pipeline vs. the straightforward one
 
 The token stream is [EOT] + encode_ordinary(doc) for every document, in source order (EOT = 50256,
 <|endoftext|>). It is cut into shards of exactly --shard_size tokens, the remainder in the last one:
 {out_dir}/{prefix}_{split}_{index:06d}.npy, 1-D uint16 written with np.save (np.load / mmap_mode="r"),
-shard 0 is "val", the rest "train". manifest.json beside them records the tokenizer, the source and
-settings, and each shard's token count and sha256 (of the whole .npy file).
+shard 0 is "val", the rest "train". With --val_fraction F instead, every shard-sized chunk i of the
+stream is split in two: its first ceil(F x n) tokens are {prefix}_val_{i:06d}.npy, the rest
+{prefix}_train_{i:06d}.npy, so the val split is F of the tokens, sampled evenly along the stream.
+manifest.json beside them records the tokenizer, the source and settings, and each shard's token
+count and sha256 (of the whole .npy file).
 
 Every shard is written under a temp name and renamed, and the manifest is rewritten (atomically)
 after each one. Run the same command again after an interruption: shards the manifest vouches for
-are kept, the rest is redone, and the output is byte-identical to an uninterrupted run.
+are kept, the rest is redone, and the output is byte-identical to an uninterrupted run. A run that
+differs from the manifest only in --shard_size or --val_fraction (the same tokens, cut differently)
+deletes the old shards and rebuilds; any other difference is refused, and the folder left alone.
 
-A .txt source (also .txt.gz/.bz2/.xz) is one document; .jsonl/.json/.parquet sources have one document
+A .txt, .md or .py source (also .gz/.bz2/.xz) is one document; .jsonl/.json/.parquet sources have one document
 per row (--text_column), .jsonl/.json also compressed (.gz, .bz2, .xz, .zst) as `datasets` reads them.
 """
 import argparse
@@ -27,6 +33,7 @@ import gzip
 import hashlib
 import json
 import lzma
+import math
 import multiprocessing
 import os
 import signal
@@ -61,6 +68,8 @@ def parse_args(argv):
     p.add_argument("--out_dir", default="edu_fineweb10B", help="where the shards and manifest.json go")
     p.add_argument("--prefix", default="edufineweb", help="shard names: {prefix}_{val|train}_{index:06d}.npy")
     p.add_argument("--shard_size", type=int, default=10**8, help="tokens per shard")
+    p.add_argument("--val_fraction", type=float, default=None,
+                   help="the first F of every shard-sized chunk is val (instead of shard 0 being val)")
     p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens (for trials)")
     p.add_argument("--num_proc", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count() or 1, help="tokenizer processes (1: no pool); the default is every core")
@@ -70,6 +79,8 @@ def parse_args(argv):
     for key in ("shard_size", "max_tokens", "num_proc"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             p.error(f"--{key} must be at least 1, got {getattr(args, key)}")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        p.error(f"--val_fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     return args
 
 # -----------------------------------------------------------------------------
@@ -77,6 +88,7 @@ def parse_args(argv):
 
 
 COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+TEXT_EXTENSIONS = (".txt", ".md", ".py")  # one plain-text document a file
 DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -86,12 +98,12 @@ def file_kind(path):
     compression = None
     if ext in (".gz", ".bz2", ".xz", ".zst"):  # .txt: the ones in COMPRESSIONS; json: whatever datasets reads
         (stem, ext), compression = os.path.splitext(stem), ext
-    if ext == ".txt" and compression in (None, *COMPRESSIONS):
+    if ext in TEXT_EXTENSIONS and compression in (None, *COMPRESSIONS):
         return "txt"
     if ext in DATASET_BUILDERS:
         return DATASET_BUILDERS[ext]
-    raise FineWebError(f"{path}: unsupported file type; --source takes .txt, .jsonl, .json or .parquet files, "
-                       "optionally compressed (.txt.gz/.bz2/.xz, .jsonl.gz/.bz2/.xz/.zst)")
+    raise FineWebError(f"{path}: unsupported file type; --source takes .txt, .md, .py, .jsonl, .json or .parquet "
+                       "files, optionally compressed (.txt.gz/.bz2/.xz, .jsonl.gz/.bz2/.xz/.zst)")
 
 
 def check_sources(paths):
@@ -272,8 +284,14 @@ def tokenize(docs, pool, num_proc):
 # shards and the manifest
 
 
-def shard_name(prefix, index):
-    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+def chunk_parts(prefix, index, n, val_fraction):
+    """The shards chunk `index` of the stream (n tokens) is saved as: [(name, split, start, end)]."""
+    if val_fraction is None:  # shard 0 is val, the rest train
+        split = "val" if index == 0 else "train"
+        return [(f"{prefix}_{split}_{index:06d}.npy", split, 0, n)]
+    v = math.ceil(val_fraction * n)
+    parts = [(f"{prefix}_val_{index:06d}.npy", "val", 0, v), (f"{prefix}_train_{index:06d}.npy", "train", v, n)]
+    return [p for p in parts if p[3] > p[2]]
 
 
 def write_shard(path, tokens):
@@ -335,9 +353,12 @@ def describe_source(source):
     return f"{source['dataset']} ({source['name']}, {source['split']}, column {source['text_column']!r})"
 
 
-def difference(old, new):
+LAYOUT = {"shard_size", "val_fraction"}  # settings that cut the same tokens differently
+
+
+def difference(old, new, ignore=()):
     """The first setting that differs between two manifests' settings, in words; None if none does."""
-    for key in sorted(set(old) | set(new)):
+    for key in sorted((set(old) | set(new)) - set(ignore)):
         if old.get(key) != new.get(key):
             if key != "source":
                 return f"{key}={old.get(key)} (this run: {key}={new.get(key)})"
@@ -354,16 +375,24 @@ def resume(out_dir, settings):
             raise FineWebError(f"{out_dir} holds shards ({loose_shards(out_dir)[0]}, ...) but no {MANIFEST}: "
                                "they are not from this script; use another --out_dir")
         return [], (0, 0)
-    diff = difference({"tokenizer": manifest["tokenizer"], **manifest["settings"]},
-                      {"tokenizer": tokenizer_info(), **settings})
+    old, new = {"tokenizer": manifest["tokenizer"], **manifest["settings"]}, {"tokenizer": tokenizer_info(), **settings}
+    diff = difference(old, new, ignore=LAYOUT)
     if diff:
         raise FineWebError(f"{out_dir} holds shards made from {diff}: use another --out_dir, "
                            f"or delete {out_dir} to start over")
+    if difference(old, new):  # the same tokens, cut differently: remove the old shards, then start over
+        print(f"{out_dir}: rebuilding, {difference(old, new)}", file=sys.stderr)
+        for shard in manifest["shards"]:
+            if os.path.exists(os.path.join(out_dir, shard["name"])):
+                os.remove(os.path.join(out_dir, shard["name"]))
+        os.remove(os.path.join(out_dir, MANIFEST))
+        return [], (0, 0)
     kept = []
     for shard in manifest["shards"]:
         problem = check_shard(out_dir, shard)
         if problem:
             print(f"redoing from {shard['name']}: {problem}", file=sys.stderr)
+            kept = [s for s in kept if s["next"] != shard["next"]]  # the whole chunk: all its parts end there
             break
         kept.append(shard)
     if manifest.get("complete") and len(kept) == len(manifest["shards"]):
@@ -408,6 +437,8 @@ def build(args):
         raise FineWebError(f"--out_dir {args.out_dir} is a file, not a folder")
     settings = {"source": source_spec(args), "prefix": args.prefix, "shard_size": args.shard_size,
                 "max_tokens": args.max_tokens}
+    if args.val_fraction is not None:  # (absent from older manifests, which all had shard 0 as val)
+        settings["val_fraction"] = args.val_fraction
     plan = resume(args.out_dir, settings)
     if plan is None:
         print(f"{args.out_dir} is complete already (every shard matches {MANIFEST}); nothing to do")
@@ -422,26 +453,30 @@ def build(args):
     from tqdm import tqdm
     max_tokens = args.max_tokens or float("inf")
     total = sum(s["tokens"] for s in shards)
-    buf = np.empty(args.shard_size, dtype=np.uint16)  # the shard being filled
+    chunks = len({tuple(s["next"]) for s in shards})  # the parts of one chunk share its end position
+    buf = np.empty(args.shard_size, dtype=np.uint16)  # the chunk (shard) being filled
     fill = 0
     # shards are saved (np.save, sha256, fsync, rename, manifest) in a thread beside the tokenizing, one
     # at a time and in order: ~0.5 s a 100M-token shard that the workers need not wait for
     writer, writing = ThreadPoolExecutor(1), None
 
-    def save(tokens, listed):  # writer thread: the shard file, then the manifest that lists it
-        listed[-1]["sha256"] = write_shard(os.path.join(args.out_dir, listed[-1]["name"]), tokens)
+    def save(tokens, parts, listed):  # writer thread: the chunk's shard files, then the manifest that lists them
+        for entry, (_, _, start, end) in zip(listed[len(listed) - len(parts):], parts):
+            entry["sha256"] = write_shard(os.path.join(args.out_dir, entry["name"]), tokens[start:end])
         write_json(manifest_path, make_manifest(settings, listed, complete=False))
 
     def finish_shard(position):
-        nonlocal buf, writing
+        nonlocal buf, writing, chunks
         if writing is not None:
-            writing.result()  # the previous shard is on disk (or its error is raised here)
+            writing.result()  # the previous chunk is on disk (or its error is raised here)
         os.makedirs(args.out_dir, exist_ok=True)
-        shards.append({"name": shard_name(args.prefix, len(shards)), "split": "val" if not shards else "train",
-                       "tokens": fill, "sha256": None,
-                       "next": list(position)})  # next: (document, token offset) where the next shard starts
-        writing = writer.submit(save, buf[:fill], list(shards))
+        parts = chunk_parts(args.prefix, chunks, fill, args.val_fraction)
+        for name, split, start, end in parts:
+            shards.append({"name": name, "split": split, "tokens": end - start, "sha256": None,
+                           "next": list(position)})  # next: (document, token offset) where the next chunk starts
+        writing = writer.submit(save, buf[:fill], parts, list(shards))
         buf = np.empty(args.shard_size, dtype=np.uint16)
+        chunks += 1
 
     bar = tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True, desc="tokenizing", smoothing=0.05)
     # a local source of about one batch is encoded faster here than it takes to start a pool
@@ -479,8 +514,8 @@ def build(args):
         raise FineWebError("the source holds no documents")
     write_json(manifest_path, make_manifest(settings, shards, complete=True))
     print(f"wrote {len(shards)} shards ({total:,} tokens) to {args.out_dir}")
-    if len(shards) == 1:
-        print("warning: only the val shard was written; lower --shard_size to get train shards too", file=sys.stderr)
+    if not any(s["split"] == "train" for s in shards):
+        print("warning: only val shards were written; lower --shard_size to get train shards too", file=sys.stderr)
 
 # -----------------------------------------------------------------------------
 # benchmark: the straightforward pipeline vs. ours, on the same documents

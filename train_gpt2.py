@@ -2,6 +2,7 @@
 Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one device or many.
 
     python train_gpt2.py configs/quickstart.py                  # CPU smoke run: a minute or two on 2 cores
+    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # your own text: a file, folder or glob
     python train_gpt2.py configs/gpt2_124m.py                   # build-nanogpt's 124M recipe, one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --out_dir=out/try
@@ -13,7 +14,6 @@ out_dir/config.json; progress goes to the console and to out_dir/log.jsonl; chec
 out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly). Ctrl-C/SIGTERM
 and `--time_limit=MINUTES` finish the step, save and print the command that continues the run.
 """
-import bisect
 import dataclasses
 import datetime
 import difflib
@@ -37,14 +37,15 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import data
 import logger
 import plot
 import precision
+from data import TokenLoader, shard_paths  # TokenLoader: also re-exported for the tests
 from fileio import UserError, fail, replacing, write_json
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, read_checkpoint
 from sharding import full_state, load_optimizer_state, shard_model
@@ -57,7 +58,9 @@ from sharding import full_state, load_optimizer_state, shard_model
 class Config:
     # data and output
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
-    data_source: str = "fineweb"  # "pydoc": if data_dir has no shards, build a tiny corpus from Python's docs
+    data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
+    data: str = ""  # your own text (a file, folder or glob): tokenized into a cache beside out_dir, used instead of data_dir
+    shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
     out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
     # model
     init_from: str = "scratch"  # "scratch", a GPT-2 name (gpt2 .. gpt2-xl), a save_pretrained dir or a ckpt_*.pt
@@ -111,7 +114,7 @@ class Config:
 
 
 CHOICES = {
-    "data_source": ("fineweb", "pydoc"),
+    "data_source": ("fineweb", "python"),
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
     "activation_checkpointing": ("none", "blocks", "every_other"),
@@ -211,9 +214,8 @@ def validate(cfg):
             raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 above ~3e37")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-    for key in ("data_dir", "out_dir"):
-        if os.path.isfile(getattr(cfg, key)):
-            raise UserError(f"{key} {getattr(cfg, key)!r} is a file; {key} is a folder: move the file or choose another {key}")
+    if os.path.isfile(cfg.out_dir):
+        raise UserError(f"out_dir {cfg.out_dir!r} is a file; out_dir is a folder: move the file or choose another out_dir")
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # before anything slow
 
 
@@ -254,114 +256,6 @@ def help_text(width=None):
                                        initial_indent=heads[name].ljust(col), subsequent_indent=" " * col,
                                        break_long_words=False, break_on_hyphens=False))
     return "\n".join(lines)
-
-# -----------------------------------------------------------------------------
-# data: the uint16 token shards written by fineweb.py, memory-mapped, read as one continuous stream
-
-
-def shard_paths(data_dir, split):
-    """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
-    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}` (or try `python train_gpt2.py configs/quickstart.py`)"
-    if not os.path.isdir(data_dir):
-        raise UserError(f"data_dir {data_dir!r} does not exist: {how}")
-    paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".npy") and split in f)
-    if not paths:
-        raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
-    return paths
-
-
-def load_shard(path):
-    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated or
-    foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
-    try:
-        shard = np.load(path, mmap_mode="r")
-    except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
-        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with fineweb.py") from None
-    if not isinstance(shard, np.ndarray) or shard.dtype != np.uint16 or shard.ndim != 1:
-        what = f"{shard.dtype} {tuple(shard.shape)}" if isinstance(shard, np.ndarray) else "an .npz archive"
-        raise UserError(f"{path} holds {what}, not the 1-D uint16 tokens fineweb.py writes")
-    return shard
-
-
-class TokenLoader:
-    """(B, T) batches of consecutive tokens from one split. Its shards are read as one stream that wraps
-    around at its end; a batch may straddle two shards, so no token is skipped at a shard boundary.
-    Per call, rank r of W reads the r-th of W consecutive B*T-token slices (plus one token for the
-    targets), and the stream position moves by W*B*T. The position is the loader's only state: it
-    draws no randomness, so the same position always gives the same batches."""
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None):
-        self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
-        self.paths = shard_paths(data_dir, split)
-        self.shards = [load_shard(p) for p in self.paths]
-        self.offsets = np.cumsum([0] + [len(s) for s in self.shards]).tolist()  # shard i starts at offsets[i]
-        self.n_tokens = self.offsets[-1]
-        if self.n_tokens <= B * T:
-            raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer than one "
-                            f"micro-batch needs ({B} x {T} + 1): prepare more data or lower micro_batch_size/seq_len")
-        self.pos = 0
-
-    def reset(self):
-        self.pos = 0
-
-    def read(self, start, n):
-        """n tokens of the stream from position start (wrapping around), as int64."""
-        out = np.empty(n, dtype=np.int64)
-        filled, start = 0, start % self.n_tokens
-        while filled < n:
-            i = bisect.bisect_right(self.offsets, start) - 1  # the shard holding position start
-            local = start - self.offsets[i]
-            take = min(n - filled, len(self.shards[i]) - local)
-            out[filled:filled + take] = self.shards[i][local:local + take]
-            filled, start = filled + take, (start + take) % self.n_tokens
-        return out
-
-    def next_batch(self):
-        B, T = self.B, self.T
-        buf = torch.from_numpy(self.read(self.pos + self.rank * B * T, B * T + 1))  # (B*T+1,)
-        self.pos = (self.pos + self.world_size * B * T) % self.n_tokens
-        if self.vocab_size is not None and int(buf.max()) >= self.vocab_size:
-            raise UserError(f"the data holds token id {int(buf.max())} but vocab_size is {self.vocab_size}: raise vocab_size")
-        return buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs (B, T), targets (B, T)
-
-    def state_dict(self):
-        return {"pos": self.pos, "n_tokens": self.n_tokens, "shards": [os.path.basename(p) for p in self.paths]}
-
-    def load_state_dict(self, state):
-        if state["n_tokens"] != self.n_tokens or state["shards"] != [os.path.basename(p) for p in self.paths]:
-            raise UserError(f"the shards in data_dir differ from the checkpoint's ({len(state['shards'])} shards, "
-                            f"{state['n_tokens']} tokens): resume with the data it was trained on")
-        self.pos = state["pos"]
-
-
-QUICKSTART_SHARD_SIZE = 20_000  # tokens: the first shard is the val split, the rest (~100K tokens) train
-
-
-def prepare_pydoc_corpus(data_dir):
-    """A corpus that needs no network: the topic pages of Python's own help() (pydoc_data.topics,
-    ~0.5 MB of English and code that ships with CPython), one .txt file per topic, tokenized into
-    shards by fineweb.py."""
-    try:
-        from pydoc_data.topics import topics
-        import fineweb
-    except ImportError as e:
-        raise UserError(f"cannot build the quickstart corpus: {e} (fineweb.py and Python's pydoc_data are needed)") from None
-    src = os.path.join(data_dir, "source")
-    os.makedirs(src, exist_ok=True)
-    files = []
-    for name, text in sorted(topics.items()):
-        path = os.path.join(src, re.sub(r"[^\w.-]", "_", name) + ".txt")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        files.append(path)
-    print(f"building the quickstart corpus in {data_dir} from {len(files)} pydoc topics")
-    if fineweb.main(["--source", *files, "--out_dir", data_dir, "--shard_size", str(QUICKSTART_SHARD_SIZE)]) != 0:
-        raise UserError("fineweb.py could not build the quickstart corpus (see its message above)")
-
-
-def has_shards(data_dir):
-    return os.path.isdir(data_dir) and any(f.endswith(".npy") for f in os.listdir(data_dir))
 
 # -----------------------------------------------------------------------------
 # model
@@ -856,9 +750,9 @@ def train(argv, ddp, rank, master):
     where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})" if plan.capability else device
     say(f"device {where} x {world_size} | {plan.describe()}")
 
-    # data: there before anything slow (rank 0 builds the quickstart corpus if asked; the others wait)
-    if cfg.data_source == "pydoc" and master and not has_shards(cfg.data_dir):
-        prepare_pydoc_corpus(cfg.data_dir)
+    # data: there before anything slow (rank 0 tokenizes --data or builds the quickstart corpus; the others wait)
+    rows = world_size * (cfg.micro_batch_size if cfg.micro_batch_size != "auto" else 1)  # one batch's rows, at least
+    cfg.data_dir = data.prepare(cfg, rows, build=master)
     if ddp:
         dist.barrier()
     for split in ("train", "val"):
@@ -906,8 +800,8 @@ def train(argv, ddp, rank, master):
     # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
     grad_accum = resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say)
     B, T = cfg.micro_batch_size, cfg.seq_len
-    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size)
-    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size)
+    train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size, cfg.shuffle, cfg.seed)
+    val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size, shuffle=False)
 
     start_step, guard_state, newest = 0, None, None
     if ckpt is not None:

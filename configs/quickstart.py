@@ -1,31 +1,33 @@
-# Quickstart: a tiny GPT-2 trained on 2 CPU cores in about a minute (longer on a busy machine), no GPU
-# and no network needed.
+# Quickstart: a tiny GPT-2 trained on 2 CPU cores in under a minute and a half, no GPU and no network.
 #   python train_gpt2.py configs/quickstart.py
-# On first run it builds its own corpus in data/quickstart/ from the help() pages that ship with Python
-# (pydoc_data.topics, ~140K GPT-2 tokens: 20K for val, the rest train), through fineweb.py.
-# Expect the val loss to fall from 10.76 to ~5.8, a checkpoint in out/quickstart/ and a few samples
-# that look like Python documentation only from far away.
-data_dir = "data/quickstart"
-data_source = "pydoc"
+# On first run it builds its corpus in data/python/ from what ships with Python: the help() topic pages
+# and the standard library's .py sources (~4.3M GPT-2 tokens, 0.25% of them val, taken along the whole
+# corpus), through fineweb.py, in a few seconds.
+# On our 2-core CPU the val loss goes 10.62 -> 4.98 -> 4.49 -> 4.42 -> 4.37 (every 40 steps; the old
+# 4 x 128 config read in file order reached 5.02 on this corpus), the first run takes 79 s with nothing
+# else running (corpus included; 0.40 s a step), and the samples from "def" have indentation, self,
+# return and docstring quotes in roughly the right places.
+data_dir = "data/python"
+data_source = "python"
 out_dir = "out/quickstart"
 n_layer = 4
 n_head = 4
-n_embd = 128
+n_embd = 64  # the 50304-way output layer is most of the cost: a narrow model takes more steps in the time
 block_size = 128
 vocab_size = 50304
 micro_batch_size = 8
 seq_len = 128
 total_batch_size = 1024
-max_steps = 80
-warmup_steps = 8
-max_lr = 3e-3
-min_lr = 3e-4
-eval_interval = 20
-val_steps = 4
+max_steps = 160
+warmup_steps = 16
+max_lr = 6e-3
+min_lr = 6e-4
+eval_interval = 40
+val_steps = 9  # 72 of the val split's 75 rows of 129 tokens: nearly all of it
 hellaswag_interval = 0
-sample_interval = 80
-sample_tokens = 40
+sample_interval = 160
+sample_tokens = 48
 num_samples = 3
-sample_prompt = "The for statement"
+sample_prompt = "def"
 checkpoint_interval = 0
 resume = "auto"  # Ctrl-C saves a checkpoint; the same command then continues from it

@@ -218,6 +218,67 @@ def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeyp
     assert "nothing to do" in capsys.readouterr().out
 
 
+def chunked(out):
+    """The stream back from --val_fraction shards: chunk i is val_i then train_i."""
+    names = shards_in(out)
+    index = sorted({n[-10:-4] for n in names})
+    return np.concatenate([np.load(os.path.join(out, f"edufineweb_{split}_{i}.npy")) for i in index
+                           for split in ("val", "train") if f"edufineweb_{split}_{i}.npy" in names])
+
+
+def test_val_fraction_takes_the_head_of_every_chunk(corpus, tmp_path, monkeypatch):
+    out, out2 = str(tmp_path / "out"), str(tmp_path / "out2")
+    argv = ["--source", *corpus, "--shard_size", "37", "--val_fraction", "0.1", "--num_proc", "1", "--out_dir"]
+    assert fineweb.main(argv + [out]) == 0
+    ref = reference(DOCS)
+    n = -(-len(ref) // 37)
+    sizes = [37] * (n - 1) + [len(ref) - 37 * (n - 1)]
+    val = {f"edufineweb_val_{i:06d}.npy": -(-sizes[i] // 10) for i in range(n)}  # ceil(0.1 x chunk)
+    train = {f"edufineweb_train_{i:06d}.npy": sizes[i] - val[f"edufineweb_val_{i:06d}.npy"] for i in range(n)}
+    assert {f: np.load(os.path.join(out, f)).size for f in shards_in(out)} == {**val, **train}
+    assert np.array_equal(chunked(out), ref)  # val_i + train_i, chunk after chunk: the stream, nothing lost
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert [s["split"] for s in manifest["shards"]] == ["val", "train"] * n
+    assert fineweb.main(["--verify", "--out_dir", out]) == 0
+    done = snapshot(out)
+
+    # interrupted between a chunk's val and train shard: the whole chunk is redone, byte-identical
+    real_write_shard, calls = fineweb.write_shard, []
+
+    def write_shard_then_stop(path, tokens):
+        calls.append(os.path.basename(path))
+        if len(calls) == 6:  # chunk 2's train shard
+            raise KeyboardInterrupt
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    assert fineweb.main(argv + [out2]) == 130
+    assert calls[-1] == "edufineweb_train_000002.npy"
+    calls.clear()
+    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+    assert fineweb.main(argv + [out2]) == 0
+    assert calls[0] == "edufineweb_val_000002.npy"  # chunks 0 and 1 kept, chunk 2 redone from its val part
+    assert snapshot(out2) == done
+
+
+def test_layout_change_rebuilds_without_deleting_by_hand(corpus, built, tmp_path, capsys):
+    """--shard_size or --val_fraction changed: the same tokens cut differently, so no refusal: the old
+    shards go, the new ones are byte-identical to a fresh run with the new settings."""
+    out = str(tmp_path / "out")
+    base = ["--source", *corpus, "--out_dir", out, "--num_proc", "1"]
+    assert fineweb.main(base + ["--shard_size", "37"]) == 0
+    assert snapshot(out) == snapshot(built)
+    assert fineweb.main(base + ["--shard_size", "100"]) == 0
+    assert "rebuilding, shard_size=37 (this run: shard_size=100)" in capsys.readouterr().err
+    fresh = str(tmp_path / "fresh")
+    assert fineweb.main(["--source", *corpus, "--out_dir", fresh, "--num_proc", "1", "--shard_size", "100"]) == 0
+    assert snapshot(out) == snapshot(fresh)
+    assert fineweb.main(base + ["--shard_size", "100", "--val_fraction", "0.05"]) == 0
+    assert "val_fraction=None (this run: val_fraction=0.05)" in capsys.readouterr().err
+    assert np.array_equal(chunked(out), reference(DOCS)) and len(shards_in(out)) == 6
+    assert fineweb.main(["--verify", "--out_dir", out]) == 0
+
+
 def test_verify_catches_a_flipped_byte(built, tmp_path, capsys):
     out = str(tmp_path / "out")
     os.makedirs(out)
@@ -289,8 +350,9 @@ def test_out_dir_from_another_source_is_left_alone(corpus, built, tmp_path, caps
     before = snapshot(out)
     line = run_error(capsys, ["--source", *corpus[:3], "--out_dir", out, "--shard_size", "37", "--num_proc", "1"])
     assert "different source" in line and "another --out_dir" in line
-    line = run_error(capsys, ["--source", *corpus, "--out_dir", out, "--shard_size", "40", "--num_proc", "1"])
-    assert "shard_size=37" in line
+    line = run_error(capsys, ["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--max_tokens", "50",
+                              "--num_proc", "1"])
+    assert "max_tokens=None (this run: max_tokens=50)" in line
     assert snapshot(out) == before
 
     other = str(tmp_path / "other")  # same settings, another tokenizer; then a manifest that is not one

@@ -3,7 +3,7 @@ either accepted or refused with our one error type (fileio.UserError, one line),
 
     the --key=value and config-file parser   train_gpt2.parse_args / read_config_file
     the HellaSwag row loader                 hellaswag.parse_row / load_examples
-    the shard loader                         train_gpt2.TokenLoader (load_shard)
+    the shard loader                         data.TokenLoader (load_shard)
     the checkpoint loader                    model.read_checkpoint / GPT.from_checkpoint
     fineweb.py's manifest                    fineweb.verify (load_manifest)
 

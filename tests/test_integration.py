@@ -12,7 +12,8 @@ import hellaswag
 from test_hellaswag import make_rows, write_rows
 from test_train import load_ckpt, read_log
 from tokenizer import EOT, get_encoding
-from train_gpt2 import TokenLoader, main
+from data import TokenLoader
+from train_gpt2 import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"Document {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (5 + i % 7)) for i in range(40)]
@@ -45,7 +46,7 @@ def test_trainer_reads_fineweb_shards_and_hellaswag_agrees(tmp_path):
     enc = get_encoding()
     stream = np.concatenate([[EOT] + enc.encode_ordinary(d) for d in DOCS])
     # the loader's train split is the stream after the first (val) shard, token for token, across shards
-    loader = TokenLoader(data, "train", 2, 32)
+    loader = TokenLoader(data, "train", 2, 32, shuffle=False)
     x, y = loader.next_batch()
     assert x.flatten().tolist() == stream[500:564].tolist() and y.flatten().tolist() == stream[501:565].tolist()
     assert loader.n_tokens == len(stream) - 500 and len(loader.paths) >= 2

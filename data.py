@@ -1,0 +1,318 @@
+"""
+Token shards to (B, T) batches for the trainer, and the shards it makes for itself: your own text
+(`--data=...`) and the quickstart's corpus, both tokenized by fineweb.py.
+
+    from data import TokenLoader
+    loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, seed=1337)
+    x, y = loader.next_batch()  # (B, T) int64 inputs, and their targets: the same rows one token on
+
+    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # also a folder, a glob, .jsonl, .parquet
+
+Shards are fineweb.py's 1-D uint16 .npy files, memory-mapped; a split is the files with "train" or
+"val" in their names.
+"""
+import bisect
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import sysconfig
+
+import numpy as np
+import torch
+
+import fineweb
+from fileio import UserError, write_json
+
+# -----------------------------------------------------------------------------
+# shards
+
+
+def shard_paths(data_dir, split):
+    """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
+    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}`, or train on your text with --data=PATH"
+    if os.path.isfile(data_dir):
+        raise UserError(f"data_dir {data_dir!r} is a file; data_dir is a folder of token shards: "
+                        f"to train on the text in that file, use --data={data_dir}")
+    if not os.path.isdir(data_dir):
+        raise UserError(f"data_dir {data_dir!r} does not exist: {how}")
+    paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".npy") and split in f)
+    if not paths:
+        raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
+    return paths
+
+
+def has_shards(data_dir):
+    return os.path.isdir(data_dir) and any(f.endswith(".npy") for f in os.listdir(data_dir))
+
+# -----------------------------------------------------------------------------
+# the loader: rows of T+1 tokens, in a seeded order that depends on (seed, epoch) alone
+
+
+@functools.lru_cache(maxsize=8)
+def permutation(n, *key):
+    """A permutation of range(n) drawn from key, e.g. (seed, epoch) or (seed, epoch, shard): the same
+    key always gives the same order, so no generator state has to be saved to resume."""
+    return np.random.default_rng([int(k) % 2**63 for k in key]).permutation(n)
+
+
+def load_shard(path):
+    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated or
+    foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
+    try:
+        shard = np.load(path, mmap_mode="r")
+    except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
+        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with fineweb.py") from None
+    if not isinstance(shard, np.ndarray) or shard.dtype != np.uint16 or shard.ndim != 1:
+        what = f"{shard.dtype} {tuple(shard.shape)}" if isinstance(shard, np.ndarray) else "an .npz archive"
+        raise UserError(f"{path} holds {what}, not the 1-D uint16 tokens fineweb.py writes")
+    return shard
+
+
+class TokenLoader:
+    """(B, T) batches from the shards of one split.
+
+    A shard of n tokens is cut into (n - 1) // T rows: row j is tokens j*T .. j*T + T, the inputs and
+    (one on) the targets, so a row's last token is the next row's first and no token is lost between
+    rows. The last (n - 1) % T tokens of a shard (fewer than T: 0.001% of a 100M-token shard) are left
+    out rather than joined to another shard's, so that every row lies in one shard.
+
+    An epoch reads every row of the split exactly once. With shuffle, the shards come in an order
+    drawn from (seed, epoch) and each shard's rows in an order drawn from (seed, epoch, shard); without
+    it (the val split), in file order from the start. The rows of all epochs form one sequence, and the
+    k-th call of rank r of W reads its rows k*W*B + r*B .. + B: the ranks' rows are disjoint and,
+    together, the rows a single process reads with the same global batch. The state is (epoch, pos) only;
+    rows, not B*T windows, are the unit so that the micro-batch size and the number of ranks may change
+    without changing which tokens a step sees."""
+
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True, seed=0):
+        self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
+        self.shuffle, self.seed = shuffle, seed
+        self.paths = shard_paths(data_dir, split)
+        self.shards = [load_shard(p) for p in self.paths]  # memory-mapped: pages in on demand; one line if corrupt
+        self.n_tokens = sum(len(s) for s in self.shards)
+        self.rows = [max(0, (len(s) - 1) // T) for s in self.shards]  # rows in each shard
+        self.n_rows = sum(self.rows)
+        if self.n_rows < B * world_size:
+            raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer than one micro-batch "
+                            f"needs ({B} rows of {T} + 1 tokens, x {world_size} rank(s)): prepare more data or lower "
+                            "micro_batch_size/seq_len")
+        self.checked = set()  # shards whose tokens were checked against vocab_size
+        self._layout = (None,)  # the last epoch's layout()
+        self.reset()
+
+    def reset(self):
+        self.epoch, self.pos = 0, 0  # the next call reads the epoch's rows pos + rank*B, ...
+
+    def layout(self, epoch):
+        """(shard order, index of each one's first row in the epoch) for an epoch."""
+        if self._layout[0] != epoch:
+            order = permutation(len(self.shards), self.seed, epoch).tolist() if self.shuffle else range(len(self.shards))
+            self._layout = epoch, order, np.cumsum([0] + [self.rows[s] for s in order]).tolist()
+        return self._layout[1:]
+
+    def row(self, g):
+        """Row g of the sequence over all epochs: T+1 tokens of one shard."""
+        epoch, i = divmod(g, self.n_rows)
+        order, starts = self.layout(epoch)
+        k = bisect.bisect_right(starts, i) - 1
+        s, j = order[k], i - starts[k]  # the j-th row of shard s in this epoch's order
+        if self.shuffle:
+            j = permutation(self.rows[s], self.seed, epoch, s)[j]
+        shard = self.shards[s]
+        if self.vocab_size is not None and s not in self.checked:  # once a shard, when first read
+            if int(shard.max()) >= self.vocab_size:
+                raise UserError(f"{self.paths[s]} holds token id {int(shard.max())} but vocab_size is {self.vocab_size}: "
+                                "raise vocab_size")
+            self.checked.add(s)
+        return shard[j * self.T:(j + 1) * self.T + 1]
+
+    def next_batch(self):
+        B = self.B
+        first = self.epoch * self.n_rows + self.pos + self.rank * B
+        buf = torch.from_numpy(np.stack([self.row(first + b) for b in range(B)]).astype(np.int64))  # (B, T+1)
+        self.epoch, self.pos = divmod(self.epoch * self.n_rows + self.pos + self.world_size * B, self.n_rows)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs (B, T), targets (B, T)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos, **self.identity()}
+
+    def identity(self):
+        """What the position means: the rows and their order."""
+        return {"seq_len": self.T, "shuffle": self.shuffle, "seed": self.seed, "n_tokens": self.n_tokens,
+                "shards": [os.path.basename(p) for p in self.paths]}
+
+    def load_state_dict(self, state):
+        theirs = {k: state.get(k) for k in self.identity()}
+        if theirs != self.identity():
+            key = next(k for k in theirs if theirs[k] != self.identity()[k])
+            what = f"{len(state.get('shards') or [])} shards, {state.get('n_tokens')} tokens" \
+                if key in ("shards", "n_tokens") else f"{key}={theirs[key]!r}, this run {self.identity()[key]!r}"
+            raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
+                            "resume with the data and the seq_len, shuffle and seed it was trained with")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+# -----------------------------------------------------------------------------
+# your own text: --data=PATH tokenized once into a cache beside out_dir
+
+
+CACHE_FILE = "sources.json"  # what the cache was made from: its files' sizes and mtimes
+
+
+def source_files(data):
+    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it, at any
+    depth, sorted; empty and hidden ones skipped) or a glob pattern."""
+    if glob.has_magic(data):
+        paths = sorted(p for p in glob.glob(os.path.expanduser(data), recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise UserError(f"--data={data}: no files match that pattern")
+    elif os.path.isdir(data):
+        paths = []
+        for root, dirs, files in os.walk(data):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            paths += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".") and readable_kind(f)]
+        paths = [p for p in paths if os.path.getsize(p) > 0]
+        if not paths:
+            raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or .parquet files")
+    elif os.path.isfile(data):
+        paths = [data]
+    else:
+        raise UserError(f"--data={data}: no such file or folder")
+    for p in paths:
+        if not readable_kind(p):
+            raise UserError(f"--data: {p} is not .txt, .md, .py, .jsonl, .json or .parquet (optionally compressed)")
+        if os.path.getsize(p) == 0:
+            raise UserError(f"--data: {p} is empty")
+    return [os.path.abspath(p) for p in paths]
+
+
+def readable_kind(path):
+    try:
+        return fineweb.file_kind(path)
+    except fineweb.FineWebError:
+        return None
+
+
+def own_text_dir(data, out_dir):
+    """Where --data is tokenized: data_cache/<name>-<hash of the path> in out_dir's parent folder, e.g.
+    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share it."""
+    spec = os.path.abspath(os.path.expanduser(data))
+    name = re.sub(r"[^\w.-]+", "_", os.path.basename(spec.rstrip(os.sep))).strip("_.") or "data"
+    parent = os.path.dirname(os.path.normpath(out_dir)) or "."
+    return os.path.join(parent, "data_cache", f"{name[:40]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+
+
+def split_rows(cache, T):
+    """{split: rows of T+1 tokens} of a finished fineweb.py folder, from its manifest."""
+    with open(os.path.join(cache, fineweb.MANIFEST)) as f:
+        shards = json.load(f)["shards"]
+    return {split: sum(max(0, (s["tokens"] - 1) // T) for s in shards if s["split"] == split) for split in ("train", "val")}
+
+
+def prepare_own_text(data, cache, T, rows):
+    """Tokenizes --data into the cache folder unless it holds them already, from files of the same sizes and
+    mtimes, with at least `rows` rows of T+1 tokens in each split. The val split is 1% of the tokens, the
+    head of every shard-sized chunk (fineweb.py --val_fraction), or more where 1% is not one batch."""
+    files = source_files(data)
+    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files]}
+    try:
+        with open(os.path.join(cache, CACHE_FILE)) as f:
+            same = json.load(f)["files"] == stamp["files"]
+    except (OSError, ValueError, KeyError):
+        same = False
+    if same and min(split_rows(cache, T).values()) >= rows:
+        print(f"data: {data} as tokenized before, in {cache}")
+        return
+    if os.path.isdir(cache):  # ours (made here) but stale: start over rather than mix in old shards
+        ours = {CACHE_FILE, fineweb.MANIFEST, *fineweb.loose_shards(cache)}
+        if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
+            raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
+        shutil.rmtree(cache)
+    size = sum(s for _, s, _ in stamp["files"])
+    print(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
+    est = size // 4  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
+    shard_size, fraction = min(10**8, max(est // 8, 1000 * T)), 0.01  # ~8 chunks; a chunk's val >= 10 rows
+    tokenize_into(files, cache, shard_size, fraction)
+    if split_rows(cache, T)["val"] < rows:  # a small text: one chunk, its head exactly one batch for val
+        with open(os.path.join(cache, fineweb.MANIFEST)) as f:
+            total = json.load(f)["total_tokens"]
+        if total < 2 * (rows * T + 1):
+            raise UserError(f"--data={data} is {total:,} tokens, too few for a val and a train batch of {rows} row(s) "
+                            f"of {T} + 1 tokens: add text, or lower micro_batch_size or seq_len")
+        tokenize_into(files, cache, total, (rows * T + 1) / total)
+    if split_rows(cache, T)["train"] < rows:
+        raise UserError(f"--data={data} leaves fewer than {rows} row(s) of {T} + 1 tokens for training: add text, "
+                        "or lower micro_batch_size or seq_len")
+    write_json(os.path.join(cache, CACHE_FILE), stamp)
+
+
+def tokenize_into(files, out_dir, shard_size, val_fraction):
+    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", out_dir, "--prefix", "text",
+                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction)]))
+
+# -----------------------------------------------------------------------------
+# the quickstart corpus: Python's own help pages and standard library, offline
+
+
+PYTHON_SHARD_SIZE = 400_000  # tokens a chunk: 11 chunks on Python 3.11
+PYTHON_VAL_FRACTION = 0.0025  # 1K val tokens from each chunk, 10.7K in all (75 rows of 129), along the corpus
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings", "pydoc_data", "__pycache__"}
+
+
+def python_sources():
+    """The standard library's .py files, sorted; without its tests, IDLE, the codec tables and the help
+    topics' module (those come as text) and installed packages."""
+    stdlib, paths = sysconfig.get_paths()["stdlib"], []
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
+    return [p for p in paths if os.path.getsize(p) > 0]
+
+
+def prepare_python_corpus(data_dir):
+    """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
+    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py. Only into a folder
+    that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        return  # a file: shard_paths() says what to do instead
+    manifest = os.path.join(data_dir, fineweb.MANIFEST)
+    if has_shards(data_dir) and (not os.path.exists(manifest) or fineweb.load_manifest(data_dir).get("complete")):
+        return
+    if os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", fineweb.MANIFEST} and not has_shards(data_dir):
+        raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
+                        f"is not built into it: to train on the text in it, use --data={data_dir}")
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:
+        raise UserError(f"cannot build the quickstart corpus: {e} (Python's pydoc_data is needed)") from None
+    src = os.path.join(data_dir, "source")
+    os.makedirs(src, exist_ok=True)
+    files = []
+    for name, text in sorted(topics.items()):
+        files.append(os.path.join(src, re.sub(r"[^\w.-]", "_", name) + ".txt"))
+        with open(files[-1], "w", encoding="utf-8") as f:
+            f.write(text)
+    files += python_sources()
+    print(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
+          f"{len(files) - len(topics)} standard library modules")
+    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", data_dir, "--prefix", "python",
+                                      "--shard_size", str(PYTHON_SHARD_SIZE), "--val_fraction", str(PYTHON_VAL_FRACTION)]))
+
+# -----------------------------------------------------------------------------
+
+
+def prepare(cfg, rows, build=True):
+    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache, the
+    quickstart corpus (data_source="python"), or data_dir as it is."""
+    if cfg.data:
+        cache = own_text_dir(cfg.data, cfg.out_dir)
+        if build:
+            prepare_own_text(cfg.data, cache, cfg.seq_len, rows)
+        return cache
+    if build and cfg.data_source == "python":
+        prepare_python_corpus(cfg.data_dir)
+    return cfg.data_dir

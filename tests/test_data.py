@@ -1,0 +1,263 @@
+"""data.py: the loader's rows, seeded order, DDP shares and resume state; --data's own-text cache.
+
+    python -m pytest -q tests/test_data.py
+"""
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import TokenLoader
+from fileio import UserError
+from tokenizer import EOT, get_encoding
+
+SIZES = [37, 50, 23, 64, 41]  # odd sizes: every shard has a tail shorter than a row
+T = 4
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Train shards holding 0, 1, 2, ... (a token is its own position in the stream), and a val shard."""
+    stream = np.arange(sum(SIZES), dtype=np.uint16)
+    start = 0
+    for i, n in enumerate(SIZES):
+        np.save(tmp_path / f"edufineweb_train_{i + 1:06d}.npy", stream[start:start + n])
+        start += n
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.arange(1000, 1100, dtype=np.uint16))
+    return str(tmp_path)
+
+
+def all_rows():
+    """Every row of the train split, by the definition: shard by shard, row j is tokens j*T .. j*T+T."""
+    rows, start = [], 0
+    for n in SIZES:
+        rows += [list(range(start + j * T, start + j * T + T + 1)) for j in range((n - 1) // T)]
+        start += n
+    return rows
+
+
+def read_rows(loader):
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (loader.B, T) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the targets are the inputs one token on
+    return [xr + [yr[-1]] for xr, yr in zip(x.tolist(), y.tolist())]
+
+
+def global_order(data_dir, B, world_size, calls, **kw):
+    """The rows W ranks read in `calls` steps, in the order of the global sequence (step, rank, row)."""
+    loaders = [TokenLoader(data_dir, "train", B, T, r, world_size, **kw) for r in range(world_size)]
+    return [row for _ in range(calls) for loader in loaders for row in read_rows(loader)]
+
+
+def test_unshuffled_rows_tile_each_shard_in_order(shards):
+    rows = all_rows()
+    n = len(rows)  # 50: the tails (37-1)%4=0, 49%4=1, 22%4=2, 63%4=3, 40%4=0 tokens are left out
+    assert n == sum((s - 1) // T for s in SIZES) == TokenLoader(shards, "train", 2, T).n_rows
+    got = global_order(shards, 2, 1, n, shuffle=False)  # two epochs
+    assert got == rows + rows
+
+
+@pytest.mark.parametrize("B,world_size", [(1, 1), (3, 1), (2, 2), (3, 3)])
+def test_every_row_exactly_once_per_epoch(shards, B, world_size):
+    rows = all_rows()
+    n = len(rows)
+    got = global_order(shards, B, world_size, -(-3 * n // (B * world_size)), seed=5)  # 3 epochs and a bit
+    epochs = [got[e * n:(e + 1) * n] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == sorted(rows)  # each row once: none skipped, none twice
+    assert epochs[0] != rows and epochs[0] != epochs[1] != epochs[2]  # shuffled, afresh each epoch
+    # both levels are shuffled: the shards' order, and the rows inside a shard
+    shard_of = lambda row: np.searchsorted(np.cumsum(SIZES), row[0], side="right")  # noqa: E731
+    shard_seq = [int(shard_of(r)) for r in epochs[0]]
+    assert [k for i, k in enumerate(shard_seq) if i == 0 or k != shard_seq[i - 1]] != sorted(set(shard_seq))
+    firsts = [[r[0] for r in epoch if shard_of(r) == 3] for epoch in epochs]
+    assert firsts[0] != sorted(firsts[0]) and firsts[0] != firsts[1] != firsts[2]
+
+
+def test_order_comes_from_seed_and_epoch_alone(shards):
+    n = len(all_rows())
+    a = global_order(shards, 2, 1, n, seed=7)
+    assert a == global_order(shards, 2, 1, n, seed=7)  # same seed: same order
+    assert a != global_order(shards, 2, 1, n, seed=8)
+    data.permutation.cache_clear()  # nothing is remembered between loaders but the pure function's cache
+    assert a == global_order(shards, 2, 1, n, seed=7)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_share_the_single_process_order(shards, world_size):
+    """W ranks x B rows: disjoint shares whose union, step by step, is what one process reads with
+    W*B rows, or with B rows over W micro-steps (the same global batch)."""
+    B, steps = 2, 12
+    loaders = [TokenLoader(shards, "train", B, T, r, world_size, seed=3) for r in range(world_size)]
+    one_big = TokenLoader(shards, "train", B * world_size, T, seed=3)
+    one_small = TokenLoader(shards, "train", B, T, seed=3)
+    for _ in range(steps):
+        per_rank = [read_rows(loader) for loader in loaders]
+        union = [row for rows in per_rank for row in rows]
+        assert union == read_rows(one_big)
+        assert union == [row for _ in range(world_size) for row in read_rows(one_small)]
+
+
+def test_resume_mid_epoch_is_bit_exact(shards):
+    n = len(all_rows())
+    a = TokenLoader(shards, "train", 3, T, 1, 2, seed=11)
+    for _ in range(5):  # 30 of the 50 rows: mid-epoch
+        a.next_batch()
+    state = a.state_dict()
+    assert (state["epoch"], state["pos"]) == (0, 30)
+    b = TokenLoader(shards, "train", 3, T, 1, 2, seed=11)
+    b.load_state_dict(state)
+    for _ in range(2 * n):  # on through several epoch boundaries
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # the state counts rows, so another split of the same global batch continues the same sequence
+    c = [TokenLoader(shards, "train", 1, T, r, 6, seed=11) for r in range(6)]
+    ref = global_order(shards, 3, 2, 5, seed=11)
+    for loader in c:
+        loader.load_state_dict(state)
+    rest = [row for _ in range(4) for loader in c for row in read_rows(loader)]
+    assert rest == global_order(shards, 3, 2, 9, seed=11)[len(ref):]
+
+
+def test_state_from_other_data_or_order_is_refused(shards):
+    state = TokenLoader(shards, "train", 2, T, seed=1).state_dict()
+    with pytest.raises(UserError, match="seed=1, this run 2"):
+        TokenLoader(shards, "train", 2, T, seed=2).load_state_dict(state)
+    with pytest.raises(UserError, match="seq_len=4, this run 5"):
+        TokenLoader(shards, "train", 2, 5, seed=1).load_state_dict(state)
+    os.remove(os.path.join(shards, "edufineweb_train_000004.npy"))
+    with pytest.raises(UserError, match="5 shards, .* resume with the data"):
+        TokenLoader(shards, "train", 2, T, seed=1).load_state_dict(state)
+
+
+def test_val_split_is_sequential_and_reset(shards):
+    loader = TokenLoader(shards, "val", 2, 5, shuffle=False)
+    first = loader.next_batch()
+    assert first[0].tolist() == [[1000, 1001, 1002, 1003, 1004], [1005, 1006, 1007, 1008, 1009]]
+    loader.next_batch()
+    loader.reset()
+    assert torch.equal(loader.next_batch()[0], first[0])
+
+
+def test_shards_are_memory_mapped(shards):
+    loader = TokenLoader(shards, "train", 2, T)
+    assert all(isinstance(s, np.memmap) and s.dtype == np.uint16 for s in loader.shards)
+    assert loader.n_tokens == sum(SIZES)
+
+
+def test_too_little_data(shards):
+    with pytest.raises(UserError, match="fewer than one micro-batch"):
+        TokenLoader(shards, "val", 10, 10)  # 9 rows of 11 tokens in 100
+    TokenLoader(shards, "val", 9, 10)
+    with pytest.raises(UserError, match="fewer than one micro-batch"):
+        TokenLoader(shards, "val", 5, 10, world_size=2)
+
+
+def test_tokens_beyond_vocab_checked_once_a_shard(shards):
+    loader = TokenLoader(shards, "train", 2, T, vocab_size=64, shuffle=False)
+    loader.next_batch()  # shard 1 (tokens 0..36) is fine
+    assert loader.checked == {0}
+    with pytest.raises(UserError, match="edufineweb_train_000002.npy holds token id 86 but vocab_size is 64"):
+        for _ in range(10):
+            loader.next_batch()
+
+# -----------------------------------------------------------------------------
+# --data: your own text, tokenized once into a cache
+
+
+BOOK = "".join(f"Chapter {i}. It was a dark and stormy night, and the rain fell in torrents. " * 30 + "\n\n"
+               for i in range(60))
+
+
+def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK)
+    cache = data.own_text_dir(str(book), str(tmp_path / "out" / "run"))
+    assert cache.startswith(str(tmp_path / "out" / "data_cache" / "book.txt-"))
+    data.prepare_own_text(str(book), cache, 32, rows=4)
+    assert "tokenizing 1 file(s)" in capsys.readouterr().out
+    stream = np.array([EOT] + get_encoding().encode_ordinary(BOOK), dtype=np.uint16)
+    val, train = TokenLoader(cache, "val", 4, 32, shuffle=False), TokenLoader(cache, "train", 4, 32)
+    assert val.n_tokens + train.n_tokens == len(stream)
+    assert 0.01 <= val.n_tokens / len(stream) < 0.012  # ~1%: the head of each chunk
+    assert val.n_rows >= 4 and len(val.paths) == len(train.paths) >= 2
+    stamps = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
+
+    data.prepare_own_text(str(book), cache, 32, rows=4)  # same file: reused, nothing written
+    assert "as tokenized before" in capsys.readouterr().out
+    assert stamps == {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
+
+    book.write_text(BOOK.replace("stormy", "calm"))  # changed: rebuilt from the new text
+    os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))
+    data.prepare_own_text(str(book), cache, 32, rows=4)
+    assert "tokenizing" in capsys.readouterr().out
+    loader = TokenLoader(cache, "train", 4, 32, shuffle=False)
+    text = get_encoding().decode(np.concatenate([s for s in loader.shards]).tolist())
+    assert "calm" in text and "stormy" not in text
+
+
+def test_small_text_still_gets_a_val_batch(tmp_path):
+    book = tmp_path / "short.txt"
+    book.write_text(BOOK[:6000])  # ~1.3K tokens: 1% would be 13, less than one row
+    cache = str(tmp_path / "cache")
+    data.prepare_own_text(str(book), cache, 16, rows=8)
+    val = TokenLoader(cache, "val", 8, 16, shuffle=False)
+    assert val.n_rows == 8 and len(val.paths) == 1  # exactly one batch, the rest train
+    assert TokenLoader(cache, "train", 8, 16).n_rows >= 8
+    with pytest.raises(UserError, match="too few for a val and a train batch"):
+        data.prepare_own_text(str(book), cache, 128, rows=8)
+
+
+def test_folders_globs_and_formats(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    d = tmp_path / "texts"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("alpha " * 50)
+    (d / "sub" / "b.md").write_text("# beta\n" * 50)
+    (d / "c.jsonl").write_text('{"text": "gamma"}\n{"text": "delta"}\n')
+    pq.write_table(pa.table({"text": ["epsilon"]}), d / "sub" / "d.parquet")
+    (d / "notes.pdf").write_bytes(b"%PDF")  # not text: skipped in a folder
+    (d / "empty.txt").write_text("")  # skipped in a folder
+    (d / ".hidden.txt").write_text("x")
+    expect = [str(d / "a.txt"), str(d / "c.jsonl"), str(d / "sub" / "b.md"), str(d / "sub" / "d.parquet")]
+    assert data.source_files(str(d)) == expect
+    assert data.source_files(str(d / "**" / "*.md")) == [str(d / "sub" / "b.md")]
+    cache = str(tmp_path / "cache")
+    data.prepare_own_text(str(d), cache, 8, rows=1)
+    text = get_encoding().decode(np.concatenate([np.load(os.path.join(cache, f)) for f in sorted(os.listdir(cache))
+                                                 if f.endswith(".npy")]).tolist())
+    assert all(w in text for w in ("alpha", "beta", "gamma", "delta", "epsilon"))
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nope.txt", "--data=nope.txt: no such file or folder"),
+    ("*.nothing", "no files match that pattern"),
+    ("emptydir", "the folder holds no non-empty .txt"),
+    ("notes.pdf", "is not .txt, .md, .py, .jsonl, .json or .parquet"),
+    ("empty.txt", "empty.txt is empty"),
+])
+def test_bad_data_paths(tmp_path, monkeypatch, spec, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "emptydir" / "x.pdf").write_bytes(b"%PDF")
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match=message.replace(".", r"\.").replace("*", r"\*")):
+        data.prepare_own_text(spec, str(tmp_path / "cache"), 8, rows=1)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_stale_cache_holding_foreign_files_is_left_alone(tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "mine.txt").write_text("keep me")
+    with pytest.raises(UserError, match="holds files this trainer did not write"):
+        data.prepare_own_text(str(book), str(cache), 32, rows=4)
+    assert (cache / "mine.txt").read_text() == "keep me"
