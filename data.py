@@ -131,11 +131,15 @@ class TokenLoader:
             self.checked.add(s)
         return shard[j * self.T:(j + 1) * self.T + 1]
 
-    def next_batch(self):
+    def next_batch(self, device="cpu"):
+        """The next inputs and targets (B, T) on device. The B rows are gathered into one host buffer
+        (pinned on CUDA), sent in one non-blocking copy, and cut into inputs and targets there."""
         B = self.B
         first = self.epoch * self.n_rows + self.pos + self.rank * B
         buf = torch.from_numpy(np.stack([self.row(first + b) for b in range(B)]).astype(np.int64))  # (B, T+1)
         self.epoch, self.pos = divmod(self.epoch * self.n_rows + self.pos + self.world_size * B, self.n_rows)
+        if torch.device(device).type == "cuda":  # the host goes on to the next work while the copy runs
+            buf = buf.pin_memory().to(device, non_blocking=True)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs (B, T), targets (B, T)
 
     def state_dict(self):

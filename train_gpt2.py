@@ -447,16 +447,18 @@ def trim_log(path, step, keep_evals):
 
 def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp, bar=None):
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
-    DDP all-reduces the gradients only on the last micro-step. Returns the mean loss (tensor).
+    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is read
+    before the previous one's backward is queued. Returns the mean loss (tensor).
     bar (logger.micro_step_bar) is told of each micro-step done."""
     loss_accum = torch.zeros((), device=device)
+    x, y = loader.next_batch(device)
     for micro_step in range(grad_accum):
-        x, y = loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = nullcontext() if not ddp or micro_step == grad_accum - 1 else model.no_sync()
         with sync:
             with precision.autocast(plan):
                 _, loss = model(x, y)
+            if micro_step < grad_accum - 1:  # the next batch is gathered while the GPU runs this forward/backward
+                x, y = loader.next_batch(device)
             loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
             loss_accum += loss.detach().float()
             scaler.scale(loss).backward()
@@ -497,9 +499,9 @@ def evaluate(model, loader, val_steps, device, plan, world_size):
     loader.reset()
     total = torch.zeros((), device=device)
     for _ in range(val_steps):
-        x, y = loader.next_batch()
+        x, y = loader.next_batch(device)
         with precision.autocast(plan):
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(x, y)
         total += loss.float()
     if world_size > 1:
         dist.all_reduce(total)  # SUM: gloo has no AVG

@@ -105,15 +105,17 @@ def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
 
 
 class CpuBatches:
-    """The loader's contract as the trainer uses it: next_batch() -> CPU (B, T) inputs and targets."""
+    """The loader's contract as the trainer uses it: next_batch(device) -> (B, T) inputs and targets there,
+    built on the host as data.TokenLoader does (one pinned buffer, one non-blocking copy)."""
 
     def __init__(self, B, T):
         self.B, self.T, self.n = B, T, 0
 
-    def next_batch(self):
+    def next_batch(self, device):
         self.n += 1
         x, y = counting_batch(self.B, self.T, seed=self.n)
-        return x.cpu(), y.cpu()
+        buf = torch.cat([x.cpu(), y.cpu()[:, -1:]], dim=1).pin_memory().to(device, non_blocking=True)  # (B, T+1)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
 
 def test_count_syncs_sees_item():

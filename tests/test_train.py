@@ -191,6 +191,18 @@ def test_accumulated_gradients_equal_one_big_batch(data_dir):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
 
 
+def test_next_micro_batch_is_read_before_the_backward(data_dir):
+    """The host gathers (and on CUDA queues the copy of) micro-batch k+1 while backward k can still run."""
+    events = []
+    model = tiny_model()
+    model.lm_head.weight.register_hook(lambda grad: events.append("backward"))
+    loader = TokenLoader(data_dir, "train", 2, 16)
+    read = loader.next_batch
+    loader.next_batch = lambda device="cpu": events.append("read") or read(device)
+    accumulate_gradients(model, loader, 3, "cpu", CPU, torch.amp.GradScaler("cpu", enabled=False), ddp=False)
+    assert events == ["read", "read", "backward", "read", "backward", "backward"]
+
+
 def fp16_backward(model, scaler, data_dir):
     x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
     with torch.autocast("cpu", dtype=torch.float16):
