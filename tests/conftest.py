@@ -26,6 +26,13 @@ def make_hf_gpt2(path, n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_si
     return path
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Toy token shards (test_train.write_shards: a learnable noisy counter), one set per test module."""
+    from test_train import write_shards
+    return write_shards(str(tmp_path_factory.mktemp("shards")))
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
     return make_hf_gpt2(str(tmp_path_factory.mktemp("hf_gpt2")))

@@ -18,11 +18,11 @@ import fineweb
 import logger
 import model as model_py
 import train_gpt2
-from model import GPT, GPTConfig
+from model import GPT
 from test_export import random_model, save_ckpt
 from test_fineweb import DOCS, snapshot, write_txt
 from test_survive import assert_same_state
-from test_train import ROOT, tiny_args, write_shards
+from test_train import ROOT, tiny_args
 
 def failing_on(call, real, write_half):
     """A stand-in for a writer that behaves as `real` except on its call-th call, where it writes
@@ -51,11 +51,6 @@ def no_debris(d):
 
 # -----------------------------------------------------------------------------
 # the trainer: checkpoints and log.jsonl
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("shards")))
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,11 @@ import pytest
 import logger
 import precision
 import train_gpt2
-from test_train import read_log, tiny_args, write_shards
+from test_train import read_log, tiny_args
 from train_gpt2 import Config, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = ("loss", "lr", "norm", "dt_ms", "tok_per_s")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("shards")))
 
 
 class Terminal(io.StringIO):

@@ -19,7 +19,7 @@ import torch
 
 import train_gpt2
 from precision import make_plan
-from test_train import load_ckpt, tiny_args, tiny_model, write_shards
+from test_train import load_ckpt, tiny_args, tiny_model
 from train_gpt2 import Guard, TokenLoader, accumulate_gradients, main, optimizer_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +57,6 @@ def assert_same_state(path_a, path_b):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("shards")))
 
 
 @pytest.fixture(scope="module")

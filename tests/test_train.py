@@ -60,11 +60,6 @@ def load_ckpt(path):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("shards")))
-
-
-@pytest.fixture(scope="module")
 def straight_run(data_dir, tmp_path_factory):
     """8 steps uninterrupted, checkpoints at 4 and 8 (shared by several tests)."""
     out = str(tmp_path_factory.mktemp("straight"))
