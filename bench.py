@@ -217,8 +217,7 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
 
 def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
     """Time every rung cumulatively, the rungs chosen by the plan; returns the rows (dicts) of the table."""
-    device = plan.device
-    device_type, capability, device_name = device_info(device)
+    device, device_type, capability, device_name = plan.device, plan.device_type, plan.capability, plan.device_name
     settings = dict(BASELINE, micro_batch=micro_batch)
     rows, first, prev = [], None, None
     try:
@@ -330,8 +329,7 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
     AdamW on CUDA), one micro-step per optimizer step so every step all-reduces. Every rank times its
     own steps; the slowest rank's median counts. Returns rows like the ladder's (tokens/s over all ranks)."""
     import torch.distributed as dist
-    device = plan.device
-    device_type, capability, device_name = device_info(device)
+    device, device_type, capability, device_name = plan.device, plan.device_type, plan.capability, plan.device_name
     world = dist.get_world_size()
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
                     sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda")
@@ -479,8 +477,7 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     """The --memory report under a precision plan, as lines of text: measured in this process, with the
     given loss and activation checkpointing modes; then what one rank of world_size (FSDP or DDP) needs,
     computed."""
-    device = plan.device
-    device_type, capability, device_name = device_info(device)
+    device, device_type, device_name = plan.device, plan.device_type, plan.device_name
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
                     sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda", loss=loss, ckpt=ckpt)
     dname = precision.dtype_name(plan.dtype)

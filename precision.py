@@ -34,7 +34,6 @@ from fileio import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)
-DEVICES = ("auto", "cpu", "cuda", "mps")  # "cuda:N" too
 CU126_INDEX = "https://download.pytorch.org/whl/cu126"
 
 

@@ -577,11 +577,11 @@ def resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan,
     return cfg.total_batch_size // tokens
 
 
-def compile_probe(B, T, vocab_size, device, plan):
+def compile_probe(B, T, plan):
     """One forward/backward of the compiled model on a (B, T) batch, so that a compiler failure shows
     before training starts (precision.compile_model); the gradients it leaves are dropped."""
     def probe(compiled):
-        x = torch.zeros(B, T, dtype=torch.long, device=device)
+        x = torch.zeros(B, T, dtype=torch.long, device=plan.device)
         with precision.autocast(plan):
             _, loss = compiled(x, x)
         loss.backward()
@@ -816,7 +816,7 @@ def train(argv, ddp, rank, master):
         say(f"resuming from {ckpt['path']} at step {start_step}")
         del ckpt
     # compile with static shapes; a compiler that fails costs one warning, and every rank then runs eager
-    model = precision.compile_model(raw_model, plan, compile_probe(B, T, cfg.vocab_size, device, plan), warn=say)
+    model = precision.compile_model(raw_model, plan, compile_probe(B, T, plan), warn=say)
     if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:
         model = raw_model
     plan = dataclasses.replace(plan, compile=model is not raw_model)
