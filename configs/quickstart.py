@@ -3,8 +3,8 @@
 # On first run it builds its corpus in data/python/ from what ships with Python: the help() topic pages
 # and the standard library's .py sources (~4.3M GPT-2 tokens, 0.25% of them val, taken along the whole
 # corpus), through fineweb.py, in a few seconds.
-# On our 2-core CPU the val loss goes 10.62 -> 4.98 -> 4.49 -> 4.42 -> 4.37 (every 40 steps; the old
-# 4 x 128 config read in file order reached 5.02 on this corpus), the first run takes 79 s with nothing
+# On our 2-core CPU the val loss goes 10.62 -> 4.99 -> 4.49 -> 4.40 -> 4.38 (every 40 steps; the old
+# 4 x 128 config read in file order reached 5.02 on this corpus), the first run takes 57-79 s with nothing
 # else running (corpus included; 0.40 s a step), and the samples from "def" have indentation, self,
 # return and docstring quotes in roughly the right places.
 data_dir = "data/python"
