@@ -36,6 +36,7 @@ import types
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -467,19 +468,27 @@ def accumulate_gradients(model, loader, grad_accum, device, plan, scaler, ddp, b
     return loss_accum
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss, is_outlier=None):
+class Stepped(NamedTuple):
+    loss: float  # the step's mean loss
+    norm: float  # the gradient norm before clipping
+    applied: bool  # whether the update was applied
+    flags: list  # the values of optimizer_step's flags, read in the same transfer
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss, is_outlier=None, flags=None):
     """Unscale (fp16), clip, step, update the loss scale. A step whose loss or gradients hold inf/nan
     is skipped in every precision: the fp16 GradScaler skips it (and lowers its scale), otherwise it is
     skipped here, so the weights never go non-finite. is_outlier(loss, norm) -> True skips a finite
-    step too (the loss scale is left as it is). Returns (loss, gradient norm before clipping, whether
-    the update was applied), read from the GPU in one transfer."""
+    step too (the loss scale is left as it is). flags: a 1-D tensor on the device (the ranks' stop
+    requests) read along with loss and norm. Returns Stepped, read from the GPU in one transfer."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
         norm = norm.full_tensor()
-    loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # the step's one host sync
+    read = [loss.float().view(1), norm.float().to(loss.device).view(1)] + ([flags.float()] if flags is not None else [])
+    loss, norm, *flags = torch.cat(read).tolist()  # the step's one host sync
     finite = math.isfinite(loss) and math.isfinite(norm)
     apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if scaler.is_enabled():
@@ -489,7 +498,7 @@ def optimizer_step(model, optimizer, scaler, grad_clip, lr, loss, is_outlier=Non
     elif apply:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss, norm, apply
+    return Stepped(loss, norm, apply, flags)
 
 
 @torch.no_grad()
@@ -906,14 +915,17 @@ def train(argv, ddp, rank, master):
         out_of_time = now + longest + step_s + last_save["seconds"] > deadline
         clock_due = cfg.checkpoint_minutes > 0 and now - last_save["at"] > cfg.checkpoint_minutes * 60
         asks = [sig in signals for sig in STOP_SIGNALS] + [out_of_time, clock_due]
+        flags = None
         if ddp:  # one all_reduce (SUM): the mean loss, and how many ranks ask for each: every rank decides alike
             stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
             dist.all_reduce(stats)
-            loss = stats[0] / world_size
-            asks = [n > 0 for n in stats[1:].tolist()]
+            loss, flags = stats[0] / world_size, stats[1:]  # the counts are read with loss and norm, in one transfer
+        loss, norm, applied, counts = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr, loss,
+                                                     guard.is_outlier, flags)
+        if ddp:
+            asks = [n > 0 for n in counts]
         *signalled, out_of_time, clock_due = asks
         stop_signal = next((sig for sig, ask in zip(STOP_SIGNALS, signalled) if ask), None)
-        loss, norm, applied = optimizer_step(train_model, optimizer, scaler, cfg.grad_clip, lr, loss, guard.is_outlier)
         dt = time.time() - t0  # optimizer_step read loss and norm from the GPU: the step is done
         tok_per_s = tokens_per_step / dt
         mfu = precision.estimate_mfu(flops_tok, tok_per_s / world_size, plan.device_name, plan.dtype, plan.tf32)

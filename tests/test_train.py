@@ -212,7 +212,7 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3, loss=torch.tensor(1.0))
+    _, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3, loss=torch.tensor(1.0))
     assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
@@ -225,14 +225,14 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))
+    _, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))
     assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert scaler.get_scale() == 32768.0  # backed off
     assert all(p.grad is None for p in model.parameters())
     fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))[2]
+    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0)).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -249,12 +249,12 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     else:
         loss = loss * float("inf")
     before = copy.deepcopy(model.state_dict())
-    loss, norm, applied = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)
+    loss, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
     loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, "cpu", plan, scaler, ddp=False)
-    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)[2]  # the next step goes on
+    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss).applied  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -1,5 +1,6 @@
 """torchrun with 2 CPU processes (gloo) against 1 process with the same global batch: same losses,
 same weights. The 2-rank run accumulates 2 micro-steps per rank, so DDP's no_sync path is used."""
+import json
 import os
 import sys
 
@@ -31,3 +32,43 @@ def test_two_ranks_match_one(tmp_path):
     wb = load_ckpt(os.path.join(two, "ckpt_000004.pt"))["model"]
     assert set(wa) == set(wb)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+READS = '''
+import json, os, sys
+import torch
+sys.path.insert(0, {root!r})
+import train_gpt2
+
+reads, marks = [0], []
+for name in ("item", "tolist"):  # every read of a tensor's values into Python by the project's code
+    def counted(self, *a, _orig=getattr(torch.Tensor, name), **k):  # (not torch's: CPU AdamW reads its step counts)
+        reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) == {root!r}
+        return _orig(self, *a, **k)
+    setattr(torch.Tensor, name, counted)
+accumulate = train_gpt2.accumulate_gradients
+def marked(*a, **k):  # called once per optimizer step, at its start
+    marks.append(reads[0])
+    return accumulate(*a, **k)
+train_gpt2.accumulate_gradients = marked
+code = train_gpt2.main(sys.argv[1:])
+with open(os.path.join({out!r}, "reads_" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump([b - a for a, b in zip(marks, marks[1:])], f)
+sys.exit(code)
+'''
+
+
+def test_two_ranks_read_the_device_once_per_step(tmp_path):
+    """Under DDP the stop requests ride the loss all_reduce and are read with loss and norm: one read of
+    tensor values (one host sync on a GPU) per optimizer step, on every rank."""
+    from conftest import ROOT
+    data = write_shards(str(tmp_path / "data"))
+    script = tmp_path / "count_reads.py"
+    script.write_text(READS.format(root=ROOT, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *tiny_args(data, str(tmp_path / "out"), max_steps=5, eval_interval=0, checkpoint_interval=0,
+                      checkpoint_minutes=0)]
+    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=180) == [0], run.logs()
+    per_step = [json.loads((tmp_path / f"reads_{rank}.json").read_text()) for rank in (0, 1)]
+    assert per_step == [[1, 1, 1, 1]] * 2  # steps 0-3, each counted from its start to the next one's
