@@ -36,9 +36,9 @@ from torch.utils._pytree import tree_flatten
 import precision
 from fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
-from precision import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
-                       is_oom, optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
-                       training_bytes_estimate, train_step)
+from precision import (activation_bytes_estimate, auto_micro_batch, compile_model, compile_probe, estimated_micro_batch,
+                       fmt_bytes, free_memory, is_oom, optimizer_state_tensors, param_counts, random_batch,
+                       tensor_bytes, training_bytes_estimate, train_step)
 
 # -----------------------------------------------------------------------------
 # configurations: the real model on a GPU, small ones on a CPU
@@ -675,8 +675,9 @@ def run(args):
         raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
         precision.set_tf32(plan.tf32)
         try:
-            b, reason = auto_micro_batch(raw, optimizer, args.seq_len, args.total_batch_size, 1, args.device, plan,
-                                         default=args.micro_batch_size, headroom=args.headroom)
+            b, reason, _ = auto_micro_batch(raw, optimizer, args.seq_len, args.total_batch_size, 1, args.device, plan,
+                                            default=args.micro_batch_size, headroom=args.headroom,
+                                            compile=lambda m, b: compile_model(m, plan, compile_probe(b, args.seq_len, plan)))
         except ValueError as e:
             raise UserError(str(e)) from None
         print(f"{header(args, steps=False)}\n{reason}")

@@ -231,6 +231,18 @@ def compile_model(model, plan, probe=None, backend="inductor", warn=print):
     torch._dynamo.config.suppress_errors = True
     return compiled
 
+def compile_probe(micro_batch, seq_len, plan):
+    """For compile_model: one forward/backward of the compiled model on a (micro_batch, seq_len) batch,
+    so that a compiler failure shows at once; the gradients it leaves are dropped."""
+    def probe(compiled):
+        x = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=plan.device)
+        with autocast(plan):
+            _, loss = compiled(x, x)
+        loss.backward()
+        for p in compiled.parameters():
+            p.grad = None
+    return probe
+
 # -----------------------------------------------------------------------------
 # peak FLOP/s and MFU
 
@@ -522,10 +534,12 @@ def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, 
     """Pick the micro-batch for a fixed total_batch_size (tokens per optimizer step).
 
     usage(b) -> peak memory of a step at micro-batch b as a fraction of the device's memory, or None
-    when it ran out; it must grow with b. measure(b) -> tokens/s. Candidates divide the batch
+    when it ran out; it must grow with b. measure(b) -> tokens/s, or None when b ran out of memory or
+    went over the limit while timed (the timed model may differ: compiled). Candidates divide the batch
     (total_batch_size = b * seq_len * world_size * grad_accum); multiples of 8 are preferred, powers
     of two are not required. The largest candidate using at most 1 - headroom of memory is found by
-    bisection, it and the next n_timed-1 smaller ones are timed, the fastest wins.
+    bisection, it and the next n_timed-1 smaller ones are timed (and smaller ones after them while
+    none could be timed), the fastest wins.
     Returns (micro_batch, reason). Raises ValueError when no micro-batch can keep the total, or
     none fits."""
     per_row = seq_len * world_size
@@ -552,10 +566,17 @@ def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, 
     if k is None:
         raise ValueError(f"no micro-batch fits in {1 - headroom:.0%} of memory at seq_len {seq_len} "
                          f"(tried {sorted(used)}); shorten seq_len or use a smaller model")
-    timed = pool[max(0, k - n_timed + 1):k + 1]
-    speed = {b: measure(b) for b in reversed(timed)}
-    best = max(speed, key=speed.get)
-    tried = ", ".join(f"{b}: {speed[b]:,.0f} tok/s" for b in sorted(speed, reverse=True))
+    speed = {}
+    for b in reversed(pool[:k + 1]):  # the n_timed largest that fit, and on while none of them ran
+        if len(speed) >= n_timed and any(v is not None for v in speed.values()):
+            break
+        speed[b] = measure(b)
+    ran = {b: v for b, v in speed.items() if v is not None}
+    tried = ", ".join(f"{b}: {speed[b]:,.0f} tok/s" if speed[b] is not None else
+                      f"{b}: out of memory or over the {1 - headroom:.0%} limit" for b in speed)
+    if not ran:
+        raise ValueError(f"no micro-batch that fits could be timed ({tried}); shorten seq_len or use a smaller model")
+    best = max(ran, key=ran.get)
     if k + 1 < len(pool):
         nxt = pool[k + 1]
         why = f"{nxt} " + ("runs out of memory" if used[nxt] is None else
@@ -626,47 +647,58 @@ def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, sl
 
 
 def auto_micro_batch(model, optimizer, seq_len, total_batch_size, world_size, device, plan, default,
-                     max_micro_batch=None, headroom=0.1):
+                     max_micro_batch=None, headroom=0.1, compile=None):
     """micro_batch_size="auto": on CUDA, probe the raw model (before torch.compile and DDP) and its
     optimizer with OOM-guarded steps at lr 0 (weights untouched, grads and optimizer state freed,
-    cache emptied after every probe) and return search_micro_batch's (micro_batch, reason). Every
-    DDP rank probes the same sizes (peak use is the maximum over ranks, speed the minimum) and the
-    result is the minimum over ranks. On CPU/MPS returns (default, reason) without probing."""
+    cache emptied after every probe) for the largest micro-batches that fit, then time those with
+    compile(model, b) -> the model to train (compiled at b; called once, at the largest timed): eager
+    steps misjudge the compiled model's speed and memory. Every DDP rank probes the same sizes (peak
+    use is the maximum over ranks, speed the minimum) and the result is the minimum over ranks.
+    Returns (micro_batch, reason, the model the sizes were timed with, or None when none was timed).
+    On CPU/MPS returns (default, reason, None) without probing."""
     device_type = torch.device(device).type
     if device_type != "cuda":
         if total_batch_size % (default * seq_len * world_size):
             raise ValueError(f"total_batch_size {total_batch_size} is not divisible by micro_batch x seq_len x world_size "
                              f"= {default} x {seq_len} x {world_size}; change one of them")
         return default, (f"micro_batch_size=auto needs CUDA; on {device_type} using the default micro_batch {default} "
-                         f"(grad_accum {total_batch_size // (default * seq_len * world_size)})")
+                         f"(grad_accum {total_batch_size // (default * seq_len * world_size)})"), None
     free_memory(device_type)
     capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
     cap, note = micro_batch_cap(unwrap(model).config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
                                 is_sharded(model))
     max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
-    def usage(b):
+    def peak(step_model, b, steps):
+        """(peak memory as a fraction of capacity, seconds per step) of `steps` probe steps at b, both
+        inf when it ran out of memory; the maximum use and the longest step over the ranks."""
         free_memory(device_type)
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            probe_steps(model, optimizer, b, seq_len, device, plan, steps=2)
+            seconds = probe_steps(step_model, optimizer, b, seq_len, device, plan, steps)
             used = torch.cuda.max_memory_reserved(device) / capacity
         except RuntimeError as e:
             if not is_oom(e):
                 raise
-            used = float("inf")
+            seconds = used = float("inf")
         free_memory(device_type)  # outside the except: the traceback no longer pins the step's tensors
-        used = agree(used, "max", device)
+        return agree(used, "max", device), agree(seconds, "max", device)
+
+    def usage(b):
+        used, _ = peak(model, b, steps=2)
         return None if used == float("inf") else used
 
+    timed = []  # the model the sizes are timed with: compiled once, at the first (largest) size timed
+
     def measure(b):
-        s = probe_steps(model, optimizer, b, seq_len, device, plan, steps=4)
-        free_memory(device_type)
-        return agree(b * seq_len / s, "min", device)
+        if not timed:
+            timed.append(model if compile is None else compile(model, b))
+        used, seconds = peak(timed[0], b, steps=4)
+        return None if used > 1 - headroom else b * seq_len / seconds
 
     b, reason = search_micro_batch(usage, measure, seq_len, total_batch_size, world_size, max_micro_batch, headroom)
-    reason += f" ({note})"
+    reason += f"; timed {'eager' if not timed or timed[0] is model else 'compiled'} ({note})"
     agreed = int(agree(b, "min", device))
     if agreed != b:
         b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
-    return b, reason
+    return b, reason, timed[0] if timed else None

@@ -559,16 +559,22 @@ def load_hellaswag(cfg, master, ddp, say):
 
 
 def resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say):
-    """THE place the micro-batch (and on small GPUs the sequence length) is decided, once the model
-    and optimizer exist and before compile/DDP wrap them. micro_batch_size="auto" probes the GPU for
-    the largest fast micro-batch; on sm7x GPUs (plan.fit_to_memory) the keys the user did not set are
-    fitted to the GPU's memory: the micro-batch shrinks first, seq_len only if even 1 x seq_len does
-    not fit. Sets cfg.micro_batch_size (and cfg.seq_len) and returns the accumulation steps."""
+    """THE place the micro-batch (and on small GPUs the sequence length) is decided and the model
+    compiled, once the model and optimizer exist and before DDP wraps them. micro_batch_size="auto"
+    probes the GPU for the largest fast micro-batch, timed with the compiled model; on sm7x GPUs
+    (plan.fit_to_memory) the keys the user did not set are fitted to the GPU's memory: the micro-batch
+    shrinks first, seq_len only if even 1 x seq_len does not fit. Sets cfg.micro_batch_size (and
+    cfg.seq_len); returns (accumulation steps, the model to train: compiled, or raw_model when the
+    plan says no or the compiler failed)."""
+    def compiled(model, micro_batch):  # static shapes; a compiler that fails costs one warning, the run goes on eager
+        return precision.compile_model(model, plan, precision.compile_probe(micro_batch, cfg.seq_len, plan), warn=say)
+
+    model = None
     if cfg.micro_batch_size == "auto":
         try:
-            cfg.micro_batch_size, reason = precision.auto_micro_batch(
+            cfg.micro_batch_size, reason, model = precision.auto_micro_batch(
                 raw_model, optimizer, cfg.seq_len, cfg.total_batch_size, world_size, plan.device, plan,
-                default=FIELDS["micro_batch_size"].default)
+                default=FIELDS["micro_batch_size"].default, compile=compiled)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
         say(reason)
@@ -583,20 +589,9 @@ def resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan,
         raise UserError(f"total_batch_size={cfg.total_batch_size} is not a multiple of micro_batch_size x seq_len x "
                         f"world_size = {cfg.micro_batch_size} x {cfg.seq_len} x {world_size} = {tokens}: "
                         f"e.g. --total_batch_size={max(1, round(cfg.total_batch_size / tokens)) * tokens}")
-    return cfg.total_batch_size // tokens
-
-
-def compile_probe(B, T, plan):
-    """One forward/backward of the compiled model on a (B, T) batch, so that a compiler failure shows
-    before training starts (precision.compile_model); the gradients it leaves are dropped."""
-    def probe(compiled):
-        x = torch.zeros(B, T, dtype=torch.long, device=plan.device)
-        with precision.autocast(plan):
-            _, loss = compiled(x, x)
-        loss.backward()
-        for p in compiled.parameters():
-            p.grad = None
-    return probe
+    if model is None:  # not timed by the finder (its compiled graphs, one per size timed, serve training too)
+        model = compiled(raw_model, cfg.micro_batch_size)
+    return cfg.total_batch_size // tokens, model
 
 
 # -----------------------------------------------------------------------------
@@ -808,8 +803,11 @@ def train(argv, ddp, rank, master):
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device_type, verbose=master)
     scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
 
-    # micro-batch: decided here, once the model and optimizer exist and before compile/DDP wrap them
-    grad_accum = resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say)
+    # micro-batch and compile: decided here, once the model and optimizer exist and before DDP wraps the model
+    grad_accum, model = resolve_micro_batch_size(cfg, given, world_size, raw_model, optimizer, plan, say)
+    if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:  # one rank failed to compile: all eager
+        model = raw_model
+    plan = dataclasses.replace(plan, compile=model is not raw_model)
     B, T = cfg.micro_batch_size, cfg.seq_len
     train_loader = TokenLoader(cfg.data_dir, "train", B, T, rank, world_size, cfg.vocab_size, cfg.shuffle, cfg.seed)
     val_loader = TokenLoader(cfg.data_dir, "val", B, T, rank, world_size, cfg.vocab_size, shuffle=False)
@@ -824,11 +822,6 @@ def train(argv, ddp, rank, master):
         start_step, guard_state, newest = ckpt["step"], ckpt.get("guard"), ckpt["path"]
         say(f"resuming from {ckpt['path']} at step {start_step}")
         del ckpt
-    # compile with static shapes; a compiler that fails costs one warning, and every rank then runs eager
-    model = precision.compile_model(raw_model, plan, compile_probe(B, T, plan), warn=say)
-    if ddp and precision.agree(float(model is not raw_model), "min", device) < 1:
-        model = raw_model
-    plan = dataclasses.replace(plan, compile=model is not raw_model)
     wrap_ddp = ddp and not cfg.fsdp  # FSDP reduce-scatters the gradients itself, after every micro-step
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
                       gradient_as_bucket_view=True) if wrap_ddp else model  # grads live in the all-reduce buckets: no copy

@@ -288,10 +288,30 @@ def tiny_model_and_optimizer(vocab=256):
     return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
 
 
+def test_search_skips_sizes_that_fail_when_timed():
+    """The timed model (compiled) may fail where the eager probe fit: such sizes are out, and while none of
+    the timed ones ran the search goes on down the sizes that fit."""
+    usage = linear_usage(64)  # 64 rows: 8, 16, 32 and 64 divide them, all fit
+    timed = []
+
+    def measure(b):
+        timed.append(b)
+        return None if b > 16 else float(b)
+    b, reason = precision.search_micro_batch(usage, measure, 1024, 64 * 1024)
+    assert timed == [64, 32, 16]
+    assert b == 16 and "out of memory or over the 90% limit" in reason, reason
+    timed.clear()
+    b, reason = precision.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
+                                             1024, 64 * 1024)
+    assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
+    with pytest.raises(ValueError, match="could be timed"):
+        precision.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
+
+
 def test_auto_micro_batch_falls_back_on_cpu():
     model, opt = tiny_model_and_optimizer()
-    b, reason = precision.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
-    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason
+    b, reason, timed = precision.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
+    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
     with pytest.raises(ValueError, match="not divisible"):
         precision.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
 

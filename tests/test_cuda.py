@@ -142,17 +142,25 @@ def test_trainer_step_syncs_the_host_at_most_once(precision_name):
     assert bench.count_syncs(step) <= 1
 
 
-def test_finder_choice_runs():
+def test_finder_times_the_compiled_model_and_its_choice_runs():
     plan = precision.make_plan("cuda:0")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)).cuda()
     optimizer = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)
-    b, reason = precision.auto_micro_batch(model, optimizer, 256, 256 * 64, 1, "cuda:0", plan, default=8,
-                                           max_micro_batch=64)
+    compiled_at = []
+
+    def compile(m, b):
+        compiled_at.append(b)
+        return precision.compile_model(m, plan, precision.compile_probe(b, 256, plan))
+    b, reason, timed = precision.auto_micro_batch(model, optimizer, 256, 256 * 64, 1, "cuda:0", plan, default=8,
+                                                  max_micro_batch=64, compile=compile)
     assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
+    assert len(compiled_at) == 1 and compiled_at[0] >= b, (compiled_at, reason)  # once, at the largest size timed
+    assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason
     x, y = precision.random_batch(b, 256, "cuda:0")
     scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
-    assert torch.isfinite(precision.train_step(model, optimizer, scaler, x, y, plan))
+    assert torch.isfinite(precision.train_step(timed, optimizer, scaler, x, y, plan))
+    torch._dynamo.reset()
 
 
 def test_resume_on_gpu_continues_the_run(tmp_path):

@@ -445,3 +445,19 @@ def test_auto_micro_batch_that_cannot_divide(data_dir, tmp_path, capsys):
     assert main(tiny_args(data_dir, str(tmp_path / "x"), micro_batch_size="auto", total_batch_size=64)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: micro_batch_size=auto:") and "\n" not in err
+
+
+def test_compiled_run_matches_eager(data_dir, tmp_path):
+    """--compile=true on CPU (inductor): the model is compiled once, where the micro-batch is decided, and
+    trains to the same losses as the eager run."""
+    common = dict(max_steps=3, eval_interval=3, checkpoint_interval=0, val_steps=1)
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    assert main(tiny_args(data_dir, eager, **common, compile="false")) == 0
+    try:
+        assert main(tiny_args(data_dir, compiled, **common, compile="true")) == 0
+    finally:
+        torch._dynamo.reset()
+    with open(os.path.join(compiled, "config.json")) as f:
+        assert json.load(f)["compile"] == "true"  # it did compile: no fallback to eager
+    a, b = step_losses(eager), step_losses(compiled)
+    assert sorted(a) == sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (a, b)
