@@ -533,7 +533,7 @@ def sample(raw_model, cfg, device, plan):
     return [enc.decode(row.tolist()) for row in out]
 
 
-def load_hellaswag(cfg, master, ddp, say):
+def load_hellaswag(cfg, ddp, rank, device, say):
     """(the hellaswag module, its examples) when HellaSwag evals are on and hellaswag.py is there, else
     (None, None). Loaded once, at start-up, so that a download shows here and not mid-run; rank 0 first
     (it downloads), then the others (they read its cache)."""
@@ -543,16 +543,43 @@ def load_hellaswag(cfg, master, ddp, say):
         say("note: hellaswag.py not found; HellaSwag evaluation is skipped")
         return None, None
     import hellaswag
-    examples = None
-    for turn in ("first", "rest"):
-        if master == (turn == "first"):
-            try:
-                examples = hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
-            except Exception as e:  # offline, a missing or malformed file: the user's to fix
-                raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
-        if ddp:
-            dist.barrier()
+
+    def load():
+        try:
+            return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
+        except Exception as e:  # offline, a missing or malformed file: the user's to fix
+            raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
+    examples = rank0_first(load, ddp, rank, device)
     return hellaswag, examples[:cfg.hellaswag_limit or None]
+
+
+def rank0_first(work, ddp, rank, device):
+    """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus, a
+    download in the cache). Each turn ends with the ranks agreeing on the worst outcome, so a failure on
+    any rank stops them all at once, with its exit code (2 bad input, 1 otherwise), instead of leaving
+    the others waiting for a peer that is gone (under NCCL until dist_timeout) and then blaming the network."""
+    if not ddp:
+        return work()
+    result = None
+    for turn in ("rank 0", "another rank"):
+        failure = None
+        if (rank == 0) == (turn == "rank 0"):
+            try:
+                result = work()
+            except Exception as e:  # noqa: BLE001 - said below, then raised again
+                failure = e
+        code = 0 if failure is None else 2 if isinstance(failure, UserError) else 1
+        worst = int(precision.agree(code, "max", device))
+        if failure is not None:
+            if rank > 0 and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
+                print(f"error: rank {rank}: {failure}", file=sys.stderr)
+            raise failure
+        if worst:
+            why = f"stopped: {turn} failed at start-up; its error is in its output"
+            if rank > 0 and os.environ.get("LOCAL_RANK") == "0":  # one line on each other node (rank 0 says its own)
+                print(f"error: rank {rank}: {why}", file=sys.stderr)
+            raise (UserError if worst == 2 else OSError)(why)
+    return result
 
 # -----------------------------------------------------------------------------
 # setup: device, distributed, batch
@@ -758,11 +785,13 @@ def train(argv, ddp, rank, master):
 
     # data: there before anything slow (rank 0 tokenizes --data or builds the quickstart corpus; the others wait)
     rows = world_size * (cfg.micro_batch_size if cfg.micro_batch_size != "auto" else 1)  # one batch's rows, at least
-    cfg.data_dir = data.prepare(cfg, rows, build=master)
-    if ddp:
-        dist.barrier()
-    for split in ("train", "val"):
-        shard_paths(cfg.data_dir, split)
+
+    def prepare_data():
+        data_dir = data.prepare(cfg, rows, build=master)
+        for split in ("train", "val"):
+            shard_paths(data_dir, split)  # every rank sees the shards (one line if not)
+        return data_dir
+    cfg.data_dir = rank0_first(prepare_data, ddp, rank, device)
 
     # model, optimizer, loss scaler: fresh or from the newest checkpoint (resume_checkpoint decides)
     ckpt = resume_checkpoint(cfg, given, say)
@@ -826,7 +855,7 @@ def train(argv, ddp, rank, master):
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
                       gradient_as_bucket_view=True) if wrap_ddp else model  # grads live in the all-reduce buckets: no copy
 
-    hellaswag, hs_examples = load_hellaswag(cfg, master, ddp, say)
+    hellaswag, hs_examples = load_hellaswag(cfg, ddp, rank, device, say)
 
     # the resolved config, the log
     cfg.device, cfg.precision = device_type, precision.dtype_name(plan.dtype)

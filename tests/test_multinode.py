@@ -119,3 +119,24 @@ def test_nodes_that_see_different_checkpoints_refuse_to_start(tmp_path):
     assert codes[0] != 0 and "the ranks find different checkpoints in out_dir" in logs, logs
     assert not [line for line in logs.splitlines() if line.startswith("[rank")]  # one line per rank, no traceback
     assert sorted(f for f in os.listdir(node0) if f.endswith(".pt")) == ["ckpt_000004.pt"]  # nothing trained on
+
+
+def test_a_node_that_cannot_start_stops_every_node_with_its_reason(tmp_path):
+    """data_dir not shared: node 1 finds no shards. Its rank says why on its own node, rank 0 says which rank
+    failed, both exit 2 at once: no rank waits for a peer that is gone, none blames the network."""
+    data = write_shards(str(tmp_path / "data"))
+    args = dict(COMMON, dist_timeout=600)
+    port = free_port()
+    t0 = time.monotonic()
+    with Launched([launcher(port, tiny_args(data, str(tmp_path / "out"), **args)),
+                   launcher(port, tiny_args(str(tmp_path / "not_here"), str(tmp_path / "out"), **args))],
+                  tmp_path, env=torchrun_env()) as run:
+        run.wait(timeout=120)
+        node0, node1 = (open(os.path.join(tmp_path, f"proc{i}.log")).read() for i in (0, 1))
+    assert time.monotonic() - t0 < 60
+    errors0 = [line for line in node0.splitlines() if line.startswith("error:")]
+    errors1 = [line for line in node1.splitlines() if line.startswith("error:")]
+    assert errors0 == ["error: stopped: another rank failed at start-up; its error is in its output"], node0
+    assert len(errors1) == 1 and errors1[0].startswith("error: rank 1: ") and "not_here" in errors1[0], node1
+    assert "exitcode  : 2" in node0 and "exitcode  : 2" in node1
+    assert "did not answer" not in node0 + node1 and not [l for l in (node0 + node1).splitlines() if l.startswith("[rank")]
