@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from fileio import UserError, naming
+from fileio import UserError, naming, write_json
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
@@ -51,6 +51,16 @@ def load(key):
                         f"`pip install -U {PACKAGES[key]}`, or leave {key} unset") from None
 
 
+def read_kept(path):
+    """The {"project", "id"} of out_dir's W&B run, or {} when there is none (or it is not readable)."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) and isinstance(kept.get("id"), str) else {}
+
+
 class RunLog:
     """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and, when
     asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run (its
@@ -58,7 +68,9 @@ class RunLog:
     log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that log.jsonl
     keeps its fields."""
 
-    def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name=""):
+    def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name="", resumed=False):
+        """resumed: the run continues from a checkpoint in out_dir, so its W&B run (its id kept in
+        out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the resume."""
         self.path = os.path.join(out_dir, "log.jsonl")
         self.file = open(self.path, "a", buffering=1)  # kept open for the run; line-buffered: each row lands whole
         tb = load("tensorboard") if tensorboard else None
@@ -66,11 +78,16 @@ class RunLog:
         self.tb = tb.SummaryWriter(log_dir=out_dir, flush_secs=30) if tb else None
         self.wandb = None
         if wandb:
+            keep = os.path.join(out_dir, "wandb_run.json")
+            previous = read_kept(keep) if resumed else {}
+            again = dict(id=previous["id"], resume="allow") if previous.get("project") == wandb_project else {}
             try:
-                self.wandb = wandb.init(project=wandb_project, name=wandb_run_name or None, dir=out_dir, config=config)
+                self.wandb = wandb.init(project=wandb_project, name=wandb_run_name or None, dir=out_dir, config=config,
+                                        **again)
             except Exception as e:  # no account, no network, a bad project name: the user's to fix
                 raise UserError(f"wandb_project={wandb_project!r}: wandb.init failed ({type(e).__name__}: {e}); "
                                 "set WANDB_MODE=offline to log without network (then `wandb sync`)") from None
+            write_json(keep, {"project": wandb_project, "id": self.wandb.id})
         atexit.register(self.close)  # flushed on every way out, an exception included
 
     def write(self, event, **extra):

@@ -869,7 +869,8 @@ def train(argv, ddp, rank, master):
         os.makedirs(cfg.out_dir, exist_ok=True)
         write_json(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
         trim_log(os.path.join(cfg.out_dir, "log.jsonl"), start_step, keep_evals=evals_done)  # no rows twice
-        runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb_project, cfg.wandb_run_name)
+        runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb_project, cfg.wandb_run_name,
+                               resumed=start_step > 0)
     timer = logger.StepTimer()
     flops_tok = flops_per_token(raw_model, T)
 

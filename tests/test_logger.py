@@ -55,6 +55,9 @@ def test_tensorboard_has_the_logs_scalars_plus_mfu_and_memory(data_dir, tmp_path
 def fake_wandb(calls):
     """A stand-in `wandb` module that records how the trainer calls it."""
     class Run:
+        def __init__(self, id=None, **kw):
+            self.id = id or f"run{sum(c[0] == 'init' for c in calls)}"
+
         def log(self, scalars, step):
             calls.append(("log", step, dict(scalars)))
 
@@ -63,7 +66,7 @@ def fake_wandb(calls):
 
     module = types.ModuleType("wandb")
     module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    module.init = lambda **kw: calls.append(("init", kw)) or Run()
+    module.init = lambda **kw: calls.append(("init", kw)) or Run(**kw)
     return module
 
 
@@ -84,6 +87,24 @@ def test_wandb_calls(data_dir, tmp_path, monkeypatch):
         assert len(match) == 1 and all(match[0][k] == v for k, v in event.items() if k != "step")
     train = [s for _, _, s in logs if "loss" in s]
     assert len(train) == 4 and all("mem_rss_peak_mib" in s and "mfu" not in s for s in train)  # no MFU on a CPU
+
+
+def test_a_resumed_run_goes_on_in_the_same_wandb_run(data_dir, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    out, other = str(tmp_path / "run"), str(tmp_path / "other")
+    assert main(tiny_args(data_dir, out, max_steps=2, wandb_project="gpt2")) == 0
+    assert main(tiny_args(data_dir, out, max_steps=4, wandb_project="gpt2", resume="auto")) == 0  # from ckpt_000002.pt
+    assert main(tiny_args(data_dir, other, max_steps=2, wandb_project="gpt2")) == 0  # a new run
+    assert main(tiny_args(data_dir, out, max_steps=6, wandb_project="elsewhere", resume="auto")) == 0  # another project
+    runs = []  # (init's keywords, the steps logged to that run)
+    for call in calls:
+        if call[0] == "init":
+            runs.append((call[1], []))
+        elif call[0] == "log":
+            runs[-1][1].append(call[1])
+    assert [(kw.get("id"), kw.get("resume")) for kw, _ in runs] == [(None, None), ("run1", "allow"), (None, None), (None, None)]
+    assert runs[0][1][0] == 0 and runs[1][1][0] == 2 and max(runs[1][1]) == 4  # steps 2-4 go on in run1
 
 
 def test_wandb_offline_writes_a_run(data_dir, tmp_path, monkeypatch):
