@@ -896,6 +896,14 @@ def train(argv, ddp, rank, master):
             prune_checkpoints(cfg.out_dir, step, cfg.keep_last)
             say(f"step {step:6d} | saved {path}")
         last_save.update(path=path, at=time.time(), seconds=1.5 * (time.time() - t))
+        took = step_s + time.time() - t  # what a stop signal costs: the step in progress, then this save
+        grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
+        if ddp and took > grace and not last_save.get("warned"):  # once a run
+            last_save["warned"] = True
+            say(f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun gives the workers "
+                f"between passing on a stop signal and SIGKILL: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
+                f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has --shutdown-timeout), "
+                f"or a stop may lose the steps since the last checkpoint")
         return path
 
     code, clock_due, signals = 0, False, catch_stop_signals()

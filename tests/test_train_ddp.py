@@ -18,9 +18,11 @@ def test_two_ranks_match_one(tmp_path):
     two = str(tmp_path / "two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py",
            *tiny_args(data, two, **common, val_steps=2)]  # 2 ranks x 2 micro-steps of 2 x 16; val: 2 batches per rank
-    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+    with Launched([cmd], tmp_path, env=torchrun_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="0")) as run:
         assert run.wait(timeout=180) == [0], run.logs()
         assert run.logs().count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # rank 0 prints alone
+        # a grace of 0 s: even this save outlasts it; said once, by rank 0
+        assert run.logs(tail=100000).count("note: a step and a save take") == 1, run.logs()
 
     a, b = step_losses(one), step_losses(two)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
@@ -70,5 +72,6 @@ def test_two_ranks_read_the_device_once_per_step(tmp_path):
                       checkpoint_minutes=0)]
     with Launched([cmd], tmp_path, env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0], run.logs()
+        assert "note: a step and a save take" not in run.logs(tail=100000)  # well within torchrun's default 30 s
     per_step = [json.loads((tmp_path / f"reads_{rank}.json").read_text()) for rank in (0, 1)]
     assert per_step == [[1, 1, 1, 1]] * 2  # steps 0-3, each counted from its start to the next one's
