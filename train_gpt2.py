@@ -269,6 +269,7 @@ def build_model(cfg, verbose=True):
     return GPT.load(cfg.init_from, config=config, verbose=verbose)
 
 
+STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the other ranks wait this long for rank 0's data prep, not dist_timeout
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s of matplotlib), and at the end
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -533,7 +534,7 @@ def sample(raw_model, cfg, device, plan):
     return [enc.decode(row.tolist()) for row in out]
 
 
-def load_hellaswag(cfg, ddp, rank, device, say):
+def load_hellaswag(cfg, rank, startup, say):
     """(the hellaswag module, its examples) when HellaSwag evals are on and hellaswag.py is there, else
     (None, None). Loaded once, at start-up, so that a download shows here and not mid-run; rank 0 first
     (it downloads), then the others (they read its cache)."""
@@ -549,16 +550,18 @@ def load_hellaswag(cfg, ddp, rank, device, say):
             return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
         except Exception as e:  # offline, a missing or malformed file: the user's to fix
             raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
-    examples = rank0_first(load, ddp, rank, device)
+    examples = rank0_first(load, rank, startup)
     return hellaswag, examples[:cfg.hellaswag_limit or None]
 
 
-def rank0_first(work, ddp, rank, device):
+def rank0_first(work, rank, startup):
     """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus, a
-    download in the cache). Each turn ends with the ranks agreeing on the worst outcome, so a failure on
-    any rank stops them all at once, with its exit code (2 bad input, 1 otherwise), instead of leaving
-    the others waiting for a peer that is gone (under NCCL until dist_timeout) and then blaming the network."""
-    if not ddp:
+    download in the cache). The ranks wait for each other in the start-up group (gloo, STARTUP_TIMEOUT:
+    tokenizing a large --data can outlast dist_timeout). Each turn ends with the ranks agreeing on the
+    worst outcome, so a failure on any rank stops them all at once, with its exit code (2 bad input, 1
+    otherwise), instead of leaving the others waiting for a peer that is gone and then blaming the network.
+    startup None (no torchrun): work() alone."""
+    if startup is None:
         return work()
     result = None
     for turn in ("rank 0", "another rank"):
@@ -569,7 +572,9 @@ def rank0_first(work, ddp, rank, device):
             except Exception as e:  # noqa: BLE001 - said below, then raised again
                 failure = e
         code = 0 if failure is None else 2 if isinstance(failure, UserError) else 1
-        worst = int(precision.agree(code, "max", device))
+        worst = torch.tensor([code])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=startup)
+        worst = int(worst.item())
         if failure is not None:
             if rank > 0 and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
                 print(f"error: rank {rank}: {failure}", file=sys.stderr)
@@ -766,6 +771,7 @@ def train(argv, ddp, rank, master):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = precision.resolve_device(cfg.device, local_rank)
     device_type = torch.device(device).type
+    startup = None  # under torchrun: the group rank0_first waits in
     if ddp:
         if device_type == "mps":
             raise UserError("torchrun on MPS is not supported: run one process, or use --device=cpu")
@@ -776,6 +782,7 @@ def train(argv, ddp, rank, master):
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+        startup = dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)  # rank0_first's waits, on the CPU
 
     # precision: every hardware decision comes from the plan (precision.py), announced in one line
     plan = precision.make_plan(device, cfg.precision, cfg.compile)
@@ -791,7 +798,7 @@ def train(argv, ddp, rank, master):
         for split in ("train", "val"):
             shard_paths(data_dir, split)  # every rank sees the shards (one line if not)
         return data_dir
-    cfg.data_dir = rank0_first(prepare_data, ddp, rank, device)
+    cfg.data_dir = rank0_first(prepare_data, rank, startup)
 
     # model, optimizer, loss scaler: fresh or from the newest checkpoint (resume_checkpoint decides)
     ckpt = resume_checkpoint(cfg, given, say)
@@ -855,7 +862,7 @@ def train(argv, ddp, rank, master):
     train_model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
                       gradient_as_bucket_view=True) if wrap_ddp else model  # grads live in the all-reduce buckets: no copy
 
-    hellaswag, hs_examples = load_hellaswag(cfg, ddp, rank, device, say)
+    hellaswag, hs_examples = load_hellaswag(cfg, rank, startup, say)
 
     # the resolved config, the log
     cfg.device, cfg.precision = device_type, precision.dtype_name(plan.dtype)

@@ -75,3 +75,32 @@ def test_two_ranks_read_the_device_once_per_step(tmp_path):
         assert "note: a step and a save take" not in run.logs(tail=100000)  # well within torchrun's default 30 s
     per_step = [json.loads((tmp_path / f"reads_{rank}.json").read_text()) for rank in (0, 1)]
     assert per_step == [[1, 1, 1, 1]] * 2  # steps 0-3, each counted from its start to the next one's
+
+
+SLOW_PREP = '''
+import os, sys, time
+sys.path.insert(0, {root!r})
+import train_gpt2
+
+prepare = train_gpt2.data.prepare
+def slow(cfg, rows, build=True):  # rank 0 tokenizing a large --data: longer than dist_timeout
+    if build:
+        time.sleep(8)
+    return prepare(cfg, rows, build)
+train_gpt2.data.prepare = slow
+sys.exit(train_gpt2.main(sys.argv[1:]))
+'''
+
+
+def test_data_prep_longer_than_dist_timeout_is_waited_for(tmp_path):
+    """The other ranks wait for rank 0's data prep in the start-up group, whose timeout is not dist_timeout
+    (which bounds a hung step, 3 s here): an 8 s prep does not end them."""
+    from conftest import ROOT
+    data = write_shards(str(tmp_path / "data"))
+    script = tmp_path / "slow_prep.py"
+    script.write_text(SLOW_PREP.format(root=ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *tiny_args(data, str(tmp_path / "out"), max_steps=2, eval_interval=0, checkpoint_interval=0, dist_timeout=3)]
+    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=120) == [0], run.logs()
+    assert sorted(step_losses(str(tmp_path / "out"))) == [0, 1]
