@@ -1,5 +1,5 @@
 """The CUDA paths, on a real GPU (skipped without one): every plan this GPU can run trains, compile agrees
-with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, and resume continues the run.
+with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, resume continues the run, and torchrun (NCCL) equals one process.
 
     python -m pytest -q tests/test_cuda.py      # on a machine with an NVIDIA GPU
 """
@@ -177,3 +177,20 @@ def test_resume_on_gpu_continues_the_run(tmp_path):
     wa, wb = load_ckpt(os.path.join(straight, "ckpt_000008.pt")), load_ckpt(os.path.join(resumed, "ckpt_000008.pt"))
     assert all(torch.allclose(wa["model"][k], wb["model"][k], atol=1e-5) for k in wa["model"])
     assert torch.is_tensor(wa["rng"]["cuda"])  # one GPU generator: resumable with any number of GPUs
+
+
+def test_torchrun_on_one_gpu_equals_one_process(tmp_path):
+    """torchrun with one worker on the GPU: NCCL for the training collectives (the loss and stop requests'
+    all_reduce), gloo for the start-up waits; the run equals the plain process's."""
+    import sys
+    from conftest import Launched, torchrun_env
+    data = write_shards(str(tmp_path / "data"))
+    plain, launched = str(tmp_path / "plain"), str(tmp_path / "launched")
+    args = dict(device="cuda", compile="false", max_steps=4)
+    assert main(tiny_args(data, plain, **args)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
+           *tiny_args(data, launched, **args)]
+    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=300) == [0], run.logs()
+    a, b = step_losses(plain), step_losses(launched)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
