@@ -1,5 +1,6 @@
 """The CUDA paths, on a real GPU (skipped without one): every plan this GPU can run trains, compile agrees
-with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, resume continues the run, and torchrun (NCCL) equals one process.
+with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, resume continues the
+run, and torchrun (NCCL) equals one process.
 
     python -m pytest -q tests/test_cuda.py      # on a machine with an NVIDIA GPU
 """
