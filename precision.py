@@ -626,13 +626,14 @@ def probe_steps(model, optimizer, micro_batch, seq_len, device, plan, steps):
     return statistics.median(times)
 
 
-def agree(value, op, device):
-    """The same number on every DDP rank: all_reduce with op ('max' or 'min'); unchanged without DDP."""
+def agree(value, op, device, group=None):
+    """The same number on every DDP rank: all_reduce with op ('max' or 'min') over group (None: all
+    ranks, the default process group; a gloo group takes device "cpu"); unchanged without DDP."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
     return t.item()
 
 

@@ -572,9 +572,7 @@ def rank0_first(work, rank, startup):
             except Exception as e:  # noqa: BLE001 - said below, then raised again
                 failure = e
         code = 0 if failure is None else 2 if isinstance(failure, UserError) else 1
-        worst = torch.tensor([code])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=startup)
-        worst = int(worst.item())
+        worst = int(precision.agree(code, "max", "cpu", group=startup))
         if failure is not None:
             if rank > 0 and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
                 print(f"error: rank {rank}: {failure}", file=sys.stderr)
