@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import fineweb
-from fileio import UserError, write_json
+from fileio import UserError, replacing_dir, write_json
 
 # -----------------------------------------------------------------------------
 # shards
@@ -164,7 +164,10 @@ class TokenLoader:
 # your own text: --data=PATH tokenized once into a cache beside out_dir
 
 
-CACHE_FILE = "sources.json"  # what the cache was made from: its files' sizes and mtimes
+CACHE_FILE = "sources.json"  # what the cache was made from: its files' sizes and mtimes, and the split rule
+SPLIT = "v2: per text"  # recorded in CACHE_FILE: a cache split by the old rule (by a run's seq_len) is made again
+VAL_TOKENS, VAL_FRACTIONS = 2**15, (0.01, 0.1)  # val: 32K tokens, but at least 1% and at most 10% of the text
+MIN_CHUNK = 2**20  # tokens: a text under ~4 MB is one chunk, its val split one shard
 
 
 def source_files(data):
@@ -175,11 +178,7 @@ def source_files(data):
         if not paths:
             raise UserError(f"--data={data}: no files match that pattern")
     elif os.path.isdir(data):
-        paths = []
-        for root, dirs, files in os.walk(data):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            paths += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".") and readable_kind(f)]
-        paths = [p for p in paths if os.path.getsize(p) > 0]
+        paths = fineweb.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         if not paths:
             raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or .parquet files")
     elif os.path.isfile(data):
@@ -187,18 +186,11 @@ def source_files(data):
     else:
         raise UserError(f"--data={data}: no such file or folder")
     for p in paths:
-        if not readable_kind(p):
+        if not fineweb.known_kind(p):
             raise UserError(f"--data: {p} is not .txt, .md, .py, .jsonl, .json or .parquet (optionally compressed)")
         if os.path.getsize(p) == 0:
             raise UserError(f"--data: {p} is empty")
     return [os.path.abspath(p) for p in paths]
-
-
-def readable_kind(path):
-    try:
-        return fineweb.file_kind(path)
-    except fineweb.FineWebError:
-        return None
 
 
 def own_text_dir(data, out_dir):
@@ -217,41 +209,67 @@ def split_rows(cache, T):
     return {split: sum(max(0, (s["tokens"] - 1) // T) for s in shards if s["split"] == split) for split in ("train", "val")}
 
 
+def split_plan(size):
+    """(shard_size, val_fraction) for a text of size bytes: ~8 chunks of at least MIN_CHUNK tokens, the
+    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every run on
+    the cache reads the same val tokens and its val losses compare."""
+    est = max(1, size // 4)  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
+    low, high = VAL_FRACTIONS
+    return min(10**8, max(est // 8, MIN_CHUNK)), max(low, min(high, VAL_TOKENS / est))
+
+
+def check_rows(data, cache, T, rows):
+    """UserError unless each split of the cache holds a batch of `rows` rows of T+1 tokens."""
+    have = split_rows(cache, T)
+    for split in ("val", "train"):
+        if have[split] < rows:
+            with open(os.path.join(cache, fineweb.MANIFEST)) as f:
+                tokens = sum(s["tokens"] for s in json.load(f)["shards"] if s["split"] == split)
+            raise UserError(f"--data={data}: its {split} split is {tokens:,} tokens (the split is fixed by the text), "
+                            f"{have[split]} row(s) of {T} + 1, fewer than the {rows} of one batch: add text, or lower "
+                            "micro_batch_size or seq_len")
+
+
 def prepare_own_text(data, cache, T, rows):
-    """Tokenizes --data into the cache folder unless it holds them already, from files of the same sizes and
-    mtimes, with at least `rows` rows of T+1 tokens in each split. The val split is 1% of the tokens, the
-    head of every shard-sized chunk (fineweb.py --val_fraction), or more where 1% is not one batch."""
+    """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
+    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
+    cache is built aside and swapped in only when this run can use it: an error leaves nothing behind."""
     files = source_files(data)
-    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files]}
+    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT}
     try:
         with open(os.path.join(cache, CACHE_FILE)) as f:
-            same = json.load(f)["files"] == stamp["files"]
-    except (OSError, ValueError, KeyError):
+            old = json.load(f)
+        same = old["files"] == stamp["files"] and old.get("split") == SPLIT
+    except (OSError, ValueError, KeyError, TypeError):
         same = False
-    if same and min(split_rows(cache, T).values()) >= rows:
+    if same:  # reused as it is, even when too small for this run: never split again for a seq_len
+        check_rows(data, cache, T, rows)
         print(f"data: {data} as tokenized before, in {cache}")
         return
-    if os.path.isdir(cache):  # ours (made here) but stale: start over rather than mix in old shards
+    if os.path.isdir(cache):  # ours (made here) but stale: replaced as a whole rather than mixed with old shards
         ours = {CACHE_FILE, fineweb.MANIFEST, *fineweb.loose_shards(cache)}
         if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
-        shutil.rmtree(cache)
     size = sum(s for _, s, _ in stamp["files"])
     print(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
-    est = size // 4  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
-    shard_size, fraction = min(10**8, max(est // 8, 1000 * T)), 0.01  # ~8 chunks; a chunk's val >= 10 rows
-    tokenize_into(files, cache, shard_size, fraction)
-    if split_rows(cache, T)["val"] < rows:  # a small text: one chunk, its head exactly one batch for val
-        with open(os.path.join(cache, fineweb.MANIFEST)) as f:
-            total = json.load(f)["total_tokens"]
-        if total < 2 * (rows * T + 1):
-            raise UserError(f"--data={data} is {total:,} tokens, too few for a val and a train batch of {rows} row(s) "
-                            f"of {T} + 1 tokens: add text, or lower micro_batch_size or seq_len")
-        tokenize_into(files, cache, total, (rows * T + 1) / total)
-    if split_rows(cache, T)["train"] < rows:
-        raise UserError(f"--data={data} leaves fewer than {rows} row(s) of {T} + 1 tokens for training: add text, "
-                        "or lower micro_batch_size or seq_len")
-    write_json(os.path.join(cache, CACHE_FILE), stamp)
+    made, up = [], os.path.dirname(os.path.abspath(cache))
+    while not os.path.isdir(up):  # the folders above cache made here (deepest first): removed again on a failure
+        made.append(up)
+        up = os.path.dirname(up)
+    if made:
+        os.makedirs(made[0])
+    try:
+        with replacing_dir(cache) as tmp:
+            tokenize_into(files, tmp, *split_plan(size))
+            check_rows(data, tmp, T, rows)
+            write_json(os.path.join(tmp, CACHE_FILE), stamp)
+    except BaseException:
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
 
 
 def tokenize_into(files, out_dir, shard_size, val_fraction):

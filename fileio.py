@@ -2,6 +2,8 @@
 Atomic file writes, shared by the scripts: every checkpoint, shard, manifest and JSON report is
 written under a temp name beside its target, flushed to disk, then renamed over it. A crash, a full
 disk or Ctrl-C leaves the previous file as it was, never a half-written one under the real name.
+What is written follows the user's umask, whatever the writer made the temp with: files 0666 & ~umask
+(0644 under umask 022), folders 0777 & ~umask.
 
     from fileio import replacing, write_json
     with replacing("out/ckpt_000100.pt") as tmp:
@@ -78,16 +80,36 @@ def naming(path):
         raise OSError(e.errno, e.strerror or str(e), path) from e
 
 
+def umask():
+    """The process's umask, read without changing it (/proc; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def chmod(target, mode):
+    """os.chmod (of a path or an open file), where the filesystem allows: FUSE mounts may refuse."""
+    try:
+        os.chmod(target, mode)
+    except OSError:
+        pass
+
+
 @contextmanager
 def replacing(path, suffix=".tmp"):
-    """Yields a temp path beside path; when the block succeeds the file is fsynced and renamed to path.
-    On an error the temp file is removed and path is untouched. (suffix: e.g. ".tmp.png" for writers
-    that pick the format from the name.)"""
+    """Yields a temp path beside path; when the block succeeds the file gets mode 0666 & ~umask, is
+    fsynced and renamed to path. On an error the temp file is removed and path is untouched. (suffix:
+    e.g. ".tmp.png" for writers that pick the format from the name.)"""
     tmp = path + suffix
     try:
         with naming(path):
             yield tmp
             with open(tmp, "rb+") as f:
+                chmod(f.fileno(), 0o666 & ~umask())  # the user's umask, whatever mode the writer made it with
                 os.fsync(f.fileno())
             os.replace(tmp, path)
     finally:
@@ -103,17 +125,20 @@ def write_json(path, obj, indent=1):
 
 @contextmanager
 def replacing_dir(path):
-    """Yields a new empty directory beside path; when the block succeeds its files are fsynced and it
-    takes path's place (an existing path is moved aside first and deleted only after the swap). On an
-    error the new directory is removed and path is untouched."""
+    """Yields a new empty directory beside path; when the block succeeds its files (0666 & ~umask) and
+    folders (0777 & ~umask) are given the umask's modes, the files fsynced, and it takes path's place (an
+    existing path is moved aside first, deleted after the swap). On an error path is left untouched."""
     path = os.path.normpath(path)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path) or ".")
     try:
         with naming(path):
             yield tmp
+            mask = umask()
             for root, _, names in os.walk(tmp):
+                chmod(root, 0o777 & ~mask)  # mkdtemp's 0700 and the writers' modes: the user's umask
                 for name in names:
                     with open(os.path.join(root, name), "rb+") as f:
+                        chmod(f.fileno(), 0o666 & ~mask)
                         os.fsync(f.fileno())
             if os.path.exists(path):
                 old = tmp + "-old"

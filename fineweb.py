@@ -5,6 +5,7 @@ FineWeb-Edu -> GPT-2 token shards for the trainer.
     python fineweb.py --max_tokens 200000000           # a trial: stop after 200M tokens
     python fineweb.py --source a.txt b.jsonl.gz c.parquet --out_dir data/mine --shard_size 1000000
     python fineweb.py --source notes/*.md --out_dir data/notes --shard_size 100000 --val_fraction 0.01
+    python fineweb.py --source my_texts/ --out_dir data/mine     # a folder: its text files, at any depth
     python fineweb.py --verify                         # re-check every shard against manifest.json
     python fineweb.py --bench                          # our tokenizer pipeline vs. the straightforward one
 
@@ -25,6 +26,8 @@ deletes the old shards and rebuilds; any other difference is refused, and the fo
 
 A .txt, .md or .py source (also .gz/.bz2/.xz) is one document; .jsonl/.json/.parquet sources have one document
 per row (--text_column), .jsonl/.json also compressed (.gz, .bz2, .xz, .zst) as `datasets` reads them.
+A folder stands for those files in it, at any depth, in sorted order (hidden and empty ones skipped), as
+the trainer's --data=FOLDER reads it.
 """
 import argparse
 import bz2
@@ -64,7 +67,8 @@ def parse_args(argv):
     p.add_argument("--name", default="sample-10BT", help="the dataset's subset (config)")
     p.add_argument("--split", default="train", help="the dataset's split")
     p.add_argument("--text_column", default="text", help="the column that holds the documents (hub, .jsonl, .parquet)")
-    p.add_argument("--source", nargs="+", metavar="PATH", help="local .txt/.jsonl/.json/.parquet files instead of the hub")
+    p.add_argument("--source", nargs="+", metavar="PATH",
+                   help="local .txt/.md/.py/.jsonl/.json/.parquet files or folders of them, instead of the hub")
     p.add_argument("--out_dir", default="edu_fineweb10B", help="where the shards and manifest.json go")
     p.add_argument("--prefix", default="edufineweb", help="shard names: {prefix}_{val|train}_{index:06d}.npy")
     p.add_argument("--shard_size", type=int, default=10**8, help="tokens per shard")
@@ -106,12 +110,43 @@ def file_kind(path):
                        "files, optionally compressed (.txt.gz/.bz2/.xz, .jsonl.gz/.bz2/.xz/.zst)")
 
 
+def known_kind(path):
+    """file_kind(path), or None for a file --source does not read."""
+    try:
+        return file_kind(path)
+    except FineWebError:
+        return None
+
+
+def folder_files(folder):
+    """The files a folder source stands for: every file of a known_kind in it, at any depth, sorted (a
+    folder's files before its subfolders'); hidden files and folders, and empty files, skipped."""
+    paths = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        paths += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".") and known_kind(f)]
+    return [p for p in paths if os.path.getsize(p) > 0]
+
+
+def expand_sources(paths):
+    """--source's paths as files: each folder replaced by its folder_files()."""
+    files = []
+    for path in paths:
+        if not os.path.isdir(path):
+            files.append(path)
+        elif not (found := folder_files(path)):
+            raise FineWebError(f"{path}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or .parquet files")
+        else:
+            files += found
+    return files
+
+
 def check_sources(paths):
     for path in paths:
         if not os.path.exists(path):
             raise FineWebError(f"{path}: no such file")
         if not os.path.isfile(path):
-            raise FineWebError(f"{path}: not a file; pass the files themselves (e.g. {path}/*.txt)")
+            raise FineWebError(f"{path}: not a file or folder")
         if os.path.getsize(path) == 0:
             raise FineWebError(f"{path} is empty; leave it out of --source")
         if file_kind(path) == "parquet":
@@ -432,6 +467,7 @@ def verify(out_dir):
 
 def build(args):
     if args.source:
+        args = argparse.Namespace(**{**vars(args), "source": expand_sources(args.source)})
         check_sources(args.source)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise FineWebError(f"--out_dir {args.out_dir} is a file, not a folder")
@@ -586,6 +622,8 @@ def bench(args):
     """Both pipelines on the same documents, their worker processes started and tokenizers loaded
     before the clock starts (a one-off cost). Wall-clock tokens/s, and CPU seconds per million tokens
     summed over the main process and the workers: the steadier number on a busy machine."""
+    if args.source:
+        args = argparse.Namespace(**{**vars(args), "source": expand_sources(args.source)})
     docs = list(iter_documents(args)) if args.source else bench_corpus()
     n = args.num_proc
     print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text, num_proc={n}")

@@ -44,3 +44,44 @@ def test_replacing_dir_failure_keeps_the_old_directory(tmp_path):
             open(os.path.join(tmp, "a.txt"), "w").write("half")
             raise RuntimeError("killed mid-write")
     assert open(os.path.join(out, "a.txt")).read() == "one" and os.listdir(tmp_path) == ["hf"]
+
+
+@pytest.fixture
+def umask_027():
+    """The process's umask set to 027 for the test (the default 022 would hide a writer's own 0644)."""
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path):
+    return os.stat(path).st_mode & 0o777
+
+
+def test_files_and_json_follow_the_umask_not_the_temp_files_mode(tmp_path, umask_027):
+    path = str(tmp_path / "ckpt.pt")
+    with replacing(path) as tmp:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))  # a private temp, as mkstemp makes them
+    assert mode(path) == 0o640
+    with replacing(path) as tmp:  # over an existing file, from a writer that made it world-writable
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666))
+        os.chmod(tmp, 0o666)
+    assert mode(path) == 0o640
+    write_json(str(tmp_path / "config.json"), {"a": 1})
+    assert mode(tmp_path / "config.json") == 0o640
+    os.umask(0o022)
+    write_json(str(tmp_path / "config.json"), {"a": 2})
+    assert mode(tmp_path / "config.json") == 0o644
+
+
+def test_a_directory_follows_the_umask(tmp_path, umask_027):
+    out = str(tmp_path / "hf")
+    with replacing_dir(out) as tmp:
+        assert mode(tmp) == 0o700  # mkdtemp's, while it is built
+        os.makedirs(os.path.join(tmp, "sub"), mode=0o700)
+        os.close(os.open(os.path.join(tmp, "sub", "w.bin"), os.O_WRONLY | os.O_CREAT, 0o600))
+        open(os.path.join(tmp, "config.json"), "w").write("{}")
+    assert mode(out) == mode(os.path.join(out, "sub")) == 0o750
+    assert mode(os.path.join(out, "sub", "w.bin")) == mode(os.path.join(out, "config.json")) == 0o640

@@ -406,3 +406,43 @@ def test_dataset_that_cannot_be_opened(tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
     line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"), "--num_proc", "1"])
     assert "could not open" in line and "empty" in line
+
+
+def test_a_folder_source_reads_its_text_files(corpus, built, tmp_path, capsys):
+    """--source FOLDER: the folder's text files at any depth in sorted order (hidden, empty and other files
+    skipped), the very files and shards that naming them gives, as the trainer's --data=FOLDER reads them."""
+    folder = os.path.dirname(corpus[0])  # doc00.txt .. doc07.txt and nothing else
+    d = tmp_path / "texts"
+    (d / "sub").mkdir(parents=True)
+    (d / ".git").mkdir()
+    for i, path in enumerate(corpus):
+        with open(path, "rb") as f:
+            (d / ("sub" if i >= 5 else "") / f"doc{i:02d}.txt").write_bytes(f.read())
+    (d / "notes.pdf").write_bytes(b"%PDF")
+    (d / "empty.md").write_text("")
+    (d / ".hidden.txt").write_text("secret")
+    (d / ".git" / "HEAD.txt").write_text("ref")
+    assert fineweb.folder_files(folder) == sorted(corpus)
+    assert fineweb.folder_files(str(d)) == [str(d / f"doc{i:02d}.txt") for i in range(5)] + \
+        [str(d / "sub" / f"doc{i:02d}.txt") for i in range(5, 8)]
+    out = str(tmp_path / "out")
+    assert fineweb.main(["--source", str(d), "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]) == 0
+    assert {f: b for f, b in snapshot(out).items() if f.endswith(".npy")} == \
+        {f: b for f, b in snapshot(built).items() if f.endswith(".npy")}
+    manifest = json.load(open(os.path.join(out, fineweb.MANIFEST)))
+    assert [os.path.basename(f["path"]) for f in manifest["settings"]["source"]["files"]] == \
+        [f"doc{i:02d}.txt" for i in range(8)]
+    (d / "nothing").mkdir()
+    assert "holds no non-empty .txt" in run_error(capsys, ["--source", str(d / "nothing"), "--out_dir",
+                                                            str(tmp_path / "out2")])
+
+
+def test_shards_and_manifest_follow_the_umask(corpus, tmp_path):
+    old = os.umask(0o027)
+    try:
+        out = str(tmp_path / "out")
+        assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]) == 0
+    finally:
+        os.umask(old)
+    assert {os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)} == {0o640}
+    assert os.stat(out).st_mode & 0o777 == 0o750
