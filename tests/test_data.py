@@ -2,6 +2,8 @@
 
     python -m pytest -q tests/test_data.py
 """
+import json
+import math
 import os
 import time
 
@@ -183,8 +185,8 @@ def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
     stream = np.array([EOT] + get_encoding().encode_ordinary(BOOK), dtype=np.uint16)
     val, train = TokenLoader(cache, "val", 4, 32, shuffle=False), TokenLoader(cache, "train", 4, 32)
     assert val.n_tokens + train.n_tokens == len(stream)
-    assert 0.01 <= val.n_tokens / len(stream) < 0.012  # ~1%: the head of each chunk
-    assert val.n_rows >= 4 and len(val.paths) == len(train.paths) >= 2
+    assert val.n_tokens == math.ceil(0.1 * len(stream))  # a short text: 10% val (32K tokens, within 1% .. 10%)
+    assert val.n_rows >= 4 and len(val.paths) == len(train.paths) == 1  # one chunk: val its head
     stamps = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
 
     data.prepare_own_text(str(book), cache, 32, rows=4)  # same file: reused, nothing written
@@ -200,16 +202,55 @@ def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
     assert "calm" in text and "stormy" not in text
 
 
-def test_small_text_still_gets_a_val_batch(tmp_path):
-    book = tmp_path / "short.txt"
-    book.write_text(BOOK[:6000])  # ~1.3K tokens: 1% would be 13, less than one row
+def test_the_split_is_fixed_by_the_text():
+    """Small or large, the val fraction comes from the text's size alone: 32K tokens, within 1% .. 10%,
+    in ~8 chunks of at least MIN_CHUNK tokens; no seq_len or batch size goes in."""
+    assert data.split_plan(6000) == (data.MIN_CHUNK, 0.1)
+    assert data.split_plan(4 * 10**6) == (data.MIN_CHUNK, 2**15 / 10**6)
+    assert data.split_plan(4 * 10**8) == (10**8 // 8, 0.01)
+    assert data.split_plan(4 * 10**10) == (10**8, 0.01)
+
+
+def test_a_bigger_seq_len_never_moves_the_val_split(tmp_path, capsys):
+    """The issue's case: a run at a larger seq_len re-split the cache (34% val) and later runs reused it.
+    Now every run reads the split the text was given; one it does not fit is refused, the cache as it was."""
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK)  # 36K tokens: 3.6K val
     cache = str(tmp_path / "cache")
-    data.prepare_own_text(str(book), cache, 16, rows=8)
-    val = TokenLoader(cache, "val", 8, 16, shuffle=False)
-    assert val.n_rows == 8 and len(val.paths) == 1  # exactly one batch, the rest train
-    assert TokenLoader(cache, "train", 8, 16).n_rows >= 8
-    with pytest.raises(UserError, match="too few for a val and a train batch"):
+    data.prepare_own_text(str(book), cache, 32, rows=4)
+    before = {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
+    capsys.readouterr()
+    data.prepare_own_text(str(book), cache, 256, rows=8)  # 14 val rows of 257: fits, as it is
+    assert "as tokenized before" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"val split is 3,618 tokens \(the split is fixed by the text\), 3 row\(s\) "
+                                        r"of 1024 \+ 1, fewer than the 4 of one batch: add text, or lower"):
+        data.prepare_own_text(str(book), cache, 1024, rows=4)
+    assert before == {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
+    # a cache split by the old rule (sources.json without "split") is made again, once
+    stamp = json.load(open(os.path.join(cache, data.CACHE_FILE)))
+    del stamp["split"]
+    json.dump(stamp, open(os.path.join(cache, data.CACHE_FILE), "w"))
+    data.prepare_own_text(str(book), cache, 64, rows=2)
+    assert "tokenizing" in capsys.readouterr().out
+    assert before == {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
+
+
+def test_a_text_too_small_for_the_run_leaves_nothing_behind(tmp_path):
+    book = tmp_path / "short.txt"
+    book.write_text(BOOK[:6000])  # 1.6K tokens: 163 val
+    cache = str(tmp_path / "out" / "data_cache" / "short")
+    with pytest.raises(UserError, match=r"val split is 163 tokens .* 1 row\(s\) of 128 \+ 1, fewer than the 8"):
         data.prepare_own_text(str(book), cache, 128, rows=8)
+    assert os.listdir(tmp_path) == ["short.txt"]  # no cache, no temp, no folders made for it
+    data.prepare_own_text(str(book), cache, 16, rows=8)  # 10 val rows of 17
+    assert TokenLoader(cache, "val", 8, 16, shuffle=False).n_rows == 10
+    stale = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
+    book.write_text(BOOK[:5000])  # changed, and now too small for this run: the old cache stays as it was
+    os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with pytest.raises(UserError, match="val split"):
+        data.prepare_own_text(str(book), cache, 16, rows=9)
+    assert stale == {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
+    assert sorted(os.listdir(os.path.dirname(cache))) == ["short"]
 
 
 def test_folders_globs_and_formats(tmp_path):
