@@ -4,12 +4,13 @@ or an OpenAI name (gpt2 .. gpt2-xl, from the Hugging Face hub on first use).
 
     python sample.py --model out/gpt2_124m/ckpt_019073.pt --prompt "Hello, I'm a language model,"
     python sample.py --model out/hf --prompt_file prompt.txt --num_samples 3 --max_new_tokens 200
-    python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0     # greedy
+    python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0     # greedy: one sample
 
 Each sample is printed token by token as it is generated, on stdout (status lines go to stderr). A
 sample ends after --max_new_tokens or at <|endoftext|>, as transformers' generate() does. With no
 prompt, samples start from <|endoftext|>, i.e. from the start of a document. The same --seed on the
-same device and precision gives the same text.
+same device and precision gives the same text. Greedy decoding (--temperature 0, or --top_k 1) has one
+answer, so it prints one sample whatever --num_samples says.
 """
 import codecs
 import sys
@@ -74,7 +75,7 @@ def main(argv=None):
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax): one sample")
     p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens; 0 = all")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
@@ -100,14 +101,19 @@ def main(argv=None):
     say(f"{args.model}: {model.num_params(non_embedding=False):,} parameters on {plan.device}, "
         f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")
     generator = torch.Generator(device=plan.device).manual_seed(args.seed)
-    for i in range(args.num_samples):
+    num_samples = args.num_samples
+    if (args.temperature == 0 or args.top_k == 1) and num_samples > 1:  # every sample would be the same text
+        what = "--temperature 0" if args.temperature == 0 else "--top_k 1"
+        say(f"note: {what} is greedy decoding, the same text every time: printing 1 sample, not {num_samples}")
+        num_samples = 1
+    for i in range(num_samples):
         sys.stdout.write(text)
         tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k or None,
                                  generator, plan)
         for piece in stream_text(enc, (t for t in tokens if t != EOT)):
             sys.stdout.write(piece)
             sys.stdout.flush()
-        sys.stdout.write("\n" + ("-" * 40 + "\n" if i < args.num_samples - 1 else ""))
+        sys.stdout.write("\n" + ("-" * 40 + "\n" if i < num_samples - 1 else ""))
         sys.stdout.flush()
     return 0
 
