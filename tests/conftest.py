@@ -118,3 +118,179 @@ def wait_for(predicate, timeout, what):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.02)
+
+# -----------------------------------------------------------------------------
+# nothing left running: what a test starts is ended by pid, its whole tree on every path (torchrun's
+# workers run in sessions of their own, out of killpg's reach); the session fails if a test leaves one
+
+
+def process_table():
+    """{pid: (parent pid, state letter)} of every process, from /proc (Linux; {} elsewhere)."""
+    table = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            table[int(entry)] = (int(ppid), state)
+    return table
+
+
+def descendants(pid, table=None):
+    """pids of every process below pid (its children, theirs, ...), parents before children."""
+    children = {}
+    for p, (ppid, _) in (process_table() if table is None else table).items():
+        children.setdefault(ppid, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        kids = sorted(children.get(todo.pop(0), ()))
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid):
+    """Whether pid is a process that has not exited (a zombie, exited but not yet reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def command_line(pid, width=160):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            line = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def has_marker(pid, marker):
+    """Whether the environment pid was started with holds marker (VAR=value, inherited by what it starts)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def end_processes(roots=(), marker=None, timeout=30):
+    """Ends roots, every process below them and every one whose environment holds marker (an orphan whose
+    parent died first), by pid: all frozen first, top down (SIGSTOP, until no new one appears, so none starts
+    another), then SIGKILL and SIGCONT (a stopped process ends too). Waits until they have exited; their pids."""
+    def send(pid, sig):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    import signal
+    import time
+    frozen, me = [], os.getpid()
+    while True:
+        table = process_table()
+        found = [p for p in roots if p in table] + [q for p in roots for q in descendants(p, table)]
+        if marker:
+            found += [p for p in table if p != me and has_marker(p, marker)]
+            found += [q for p in found for q in descendants(p, table)]
+        todo = [p for p in dict.fromkeys(found) if p not in frozen and alive(p)]
+        if not todo:
+            break
+        for pid in todo:
+            send(pid, signal.SIGSTOP)
+        frozen += todo
+    for pid in frozen:
+        send(pid, signal.SIGKILL)
+        send(pid, signal.SIGCONT)
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in frozen):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still running {timeout} s after SIGKILL: {[p for p in frozen if alive(p)]}")
+        time.sleep(0.02)
+    return frozen
+
+
+class LaunchedTree(Launched):
+    """Launched, ended by pid on leaving: each command's whole process tree, torchrun's workers included (killpg
+    misses them), and any process started with this launch's marker in its environment (an orphaned worker)."""
+
+    def __init__(self, cmds, log_dir, env=None, cwd=ROOT):
+        import uuid
+        self.marker = f"TEST_LAUNCH_ID={uuid.uuid4().hex}"
+        key, value = self.marker.split("=")
+        super().__init__(cmds, log_dir, env=dict(os.environ if env is None else env, **{key: value}), cwd=cwd)
+
+    def __exit__(self, *exc):
+        try:
+            end_processes([p.pid for p in self.procs if p.poll() is None], marker=self.marker)
+        finally:
+            for p in self.procs:
+                p.wait()
+        return False
+
+
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")  # end with pytest
+
+
+def strays(table=None):
+    """pytest's live descendants but its own helpers (and theirs), which exit with it."""
+    table = process_table() if table is None else table
+    helpers = [p for p in descendants(os.getpid(), table) if any(h in command_line(p) for h in HELPERS)]
+    ok = set(helpers) | {q for p in helpers for q in descendants(p, table)}
+    return [p for p in descendants(os.getpid(), table) if p not in ok and table[p][1] not in ("Z", "X")]
+
+
+def _subreaper():
+    """Orphans of what the tests start (torchrun's workers when torchrun dies first) become pytest's children
+    rather than init's, so that the guard still finds them (Linux's PR_SET_CHILD_SUBREAPER; elsewhere nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_subreaper()
+_left = {}  # pid: (the test after which it still ran, its command line)
+_to_end = set()  # those of them to end at the end of the module
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Notes the processes a test leaves running; ends them after the last test of its module (whose
+    module-scoped fixtures are torn down by then); pytest_sessionfinish fails the run naming them."""
+    before = set(strays())
+    yield
+    for pid in strays():
+        if pid not in before and pid not in _left:
+            _left[pid] = (item.nodeid, command_line(pid))
+            _to_end.add(pid)
+    if _to_end and (nextitem is None or nextitem.path != item.path):
+        end_processes(_to_end & set(strays()))
+        _to_end.clear()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = strays()
+    for pid in left:
+        _left.setdefault(pid, ("the session", command_line(pid)))
+    end_processes(left)
+    for pid in [p for p, (ppid, state) in process_table().items() if ppid == os.getpid() and state == "Z"]:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # orphans that came to pytest (subreaper) and exited: reaped
+        except ChildProcessError:
+            pass
+    if _left:
+        lines = [f"error: {len(_left)} process(es) left running by the tests, ended by conftest.py's guard:"]
+        lines += [f"  pid {pid} after {test}: {cmd}" for pid, (test, cmd) in _left.items()]
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.line("")  # after the progress line
+            for line in lines:
+                reporter.write_line(line, red=True)
+        else:
+            print("\n".join(lines), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,13 +1,14 @@
 """Several machines, simulated on one (127.0.0.1 only, gloo): two torchrun launchers meet through a c10d
 rendezvous and train exactly the run one process trains; a worker killed under --max_restarts is
 restarted by torchrun and the run resumes to the same weights; a peer that stops answering ends the
-others within dist_timeout, with one line."""
+others within dist_timeout, with one line. Every process these tests start, torchrun's workers included, is
+ended by pid when its `with` block is left (conftest.LaunchedTree), on every path."""
 import os
 import signal
 import sys
 import time
 
-from conftest import Launched, free_port, torchrun_env, torchrun_workers, wait_for
+from conftest import LaunchedTree, alive, free_port, torchrun_env, torchrun_workers, wait_for
 from model import read_checkpoint
 from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
@@ -27,7 +28,7 @@ def test_two_nodes_match_one_process(tmp_path):
     assert main(tiny_args(data, one, **COMMON, val_steps=4)) == 0  # 1 rank x 4 micro-steps of 2 x 16
     port = free_port()
     args = tiny_args(data, two, **COMMON, val_steps=2)  # 2 nodes x 1 rank x 2 micro-steps; val: 2 batches per rank
-    with Launched([launcher(port, args), launcher(port, args)], tmp_path, env=torchrun_env()) as run:
+    with LaunchedTree([launcher(port, args), launcher(port, args)], tmp_path, env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0, 0], run.logs()
         assert run.logs().count("tokens per step = 2 x 16 x 2 rank(s) x 2 accumulation step(s)") == 1  # global rank 0 only
     a, b = step_losses(one), step_losses(two)
@@ -54,9 +55,9 @@ def test_killed_worker_restarts_and_ends_with_the_same_weights(tmp_path):
     straight, elastic = str(tmp_path / "straight"), str(tmp_path / "elastic")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with Launched([standalone(tiny_args(data, straight, **ELASTIC))], tmp_path / "a", env=torchrun_env()) as run:
+    with LaunchedTree([standalone(tiny_args(data, straight, **ELASTIC))], tmp_path / "a", env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0], run.logs()
-    with Launched([standalone(tiny_args(data, elastic, **ELASTIC), "--max_restarts=1")], tmp_path / "b",
+    with LaunchedTree([standalone(tiny_args(data, elastic, **ELASTIC), "--max_restarts=1")], tmp_path / "b",
                   env=torchrun_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")) as run:
         wait_for(lambda: os.path.exists(os.path.join(elastic, "ckpt_000010.pt")), 120, "the first checkpoints")
         rank1 = torchrun_workers(run.procs[0].pid)[1]
@@ -88,7 +89,7 @@ def test_hung_peer_ends_the_others_within_dist_timeout(tmp_path):
     out = str(tmp_path / "out")
     args = tiny_args(data, out, max_steps=5000, total_batch_size=128, eval_interval=0, checkpoint_interval=5,
                      max_lr=1e-3, min_lr=1e-4, dist_timeout=5)
-    with Launched([standalone(args)], tmp_path, env=torchrun_env()) as run:
+    with LaunchedTree([standalone(args)], tmp_path, env=torchrun_env()) as run:
         wait_for(lambda: os.path.exists(os.path.join(out, "ckpt_000010.pt")), 120, "the first checkpoints")
         workers = torchrun_workers(run.procs[0].pid)
         os.kill(workers[1], signal.SIGSTOP)
@@ -104,6 +105,22 @@ def test_hung_peer_ends_the_others_within_dist_timeout(tmp_path):
     assert read_checkpoint(os.path.join(out, newest))["step"] >= 10  # what was written stays loadable
 
 
+def test_a_frozen_orphaned_worker_is_ended_by_pid(tmp_path):
+    """The cleanup itself, in a second: a launcher's worker in a session of its own (as torchrun starts them,
+    out of killpg's reach) is frozen, the launcher dies first; leaving the block still ends the worker."""
+    worker = "import os, time; os.setsid(); time.sleep(600)"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+            "print(p.pid, flush=True); time.sleep(600)")
+    with LaunchedTree([[sys.executable, "-c", code]], tmp_path) as run:
+        wait_for(lambda: open(tmp_path / "proc0.log").read().strip(), 30, "the worker's pid")
+        pid = int(open(tmp_path / "proc0.log").read())
+        os.kill(pid, signal.SIGSTOP)
+        run.procs[0].kill()
+        run.procs[0].wait()
+        assert alive(pid)
+    assert not alive(pid)
+
+
 def test_nodes_that_see_different_checkpoints_refuse_to_start(tmp_path):
     """out_dir not shared between the nodes: node 0 holds a checkpoint, node 1 none. Every rank must stop at
     start-up with one line, not train on from different steps (or hang)."""
@@ -112,7 +129,7 @@ def test_nodes_that_see_different_checkpoints_refuse_to_start(tmp_path):
     assert main(tiny_args(data, node0, **COMMON, val_steps=4)) == 0  # a finished 4-step run, ckpt_000004.pt
     port = free_port()
     more = dict(COMMON, max_steps=8, val_steps=2, resume="auto")
-    with Launched([launcher(port, tiny_args(data, node0, **more)), launcher(port, tiny_args(data, node1, **more))],
+    with LaunchedTree([launcher(port, tiny_args(data, node0, **more)), launcher(port, tiny_args(data, node1, **more))],
                   tmp_path, env=torchrun_env()) as run:
         codes = run.wait(timeout=120)
         logs = run.logs(tail=100000)
@@ -128,7 +145,7 @@ def test_a_node_that_cannot_start_stops_every_node_with_its_reason(tmp_path):
     args = dict(COMMON, dist_timeout=600)
     port = free_port()
     t0 = time.monotonic()
-    with Launched([launcher(port, tiny_args(data, str(tmp_path / "out"), **args)),
+    with LaunchedTree([launcher(port, tiny_args(data, str(tmp_path / "out"), **args)),
                    launcher(port, tiny_args(str(tmp_path / "not_here"), str(tmp_path / "out"), **args))],
                   tmp_path, env=torchrun_env()) as run:
         run.wait(timeout=120)
