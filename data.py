@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sysconfig
 
 import numpy as np
