@@ -32,7 +32,7 @@ SCALES = {
     "a": dict(corpus="gpt2", vocab_size=50304, n_layer=4, n_head=4, n_embd=128, B=8, T=128, steps=160, warmup=16,
               eval_every=10, val_rows=72, adamw=[3e-3, 6e-3, 1.2e-2], muon=[6e-3, 1.2e-2, 2.4e-2]),
     "b": dict(corpus="bytes", vocab_size=256, n_layer=6, n_head=6, n_embd=192, B=16, T=256, steps=128, warmup=13,
-              eval_every=8, val_rows=64, adamw=[2e-3, 4e-3, 8e-3], muon=[4e-3, 8e-3, 1.6e-2]),
+              eval_every=8, val_rows=24, adamw=[2e-3, 4e-3, 8e-3], muon=[4e-3, 8e-3, 1.6e-2]),
 }
 SEED = 1337
 STOP_AT = None  # "HH:MM": no run starts after it
@@ -128,6 +128,33 @@ def run(scale, kind, lr, muon_lr):
                 train_loss=train_losses, ms_per_step=statistics.median(step_ms[1:]),
                 opt_ms_per_step=statistics.median(opt_ms[1:]), tokens_per_step=tokens_per_step,
                 config={k: v for k, v in s.items() if k not in ("adamw", "muon")})
+
+
+def timing(scale, steps=24):
+    """ms/step and ms of optimizer.step, adamw and muon alternating step by step (a shared CPU's load hits both)."""
+    s = SCALES[scale]
+    models, opts, ms = {}, {}, {k: ([], []) for k in ("adamw", "muon")}
+    for kind in ms:
+        torch.manual_seed(SEED)
+        models[kind] = GPT(GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
+                                     block_size=s["T"], vocab_size=s["vocab_size"]))
+        opts[kind] = optim.build_optimizers(models[kind], kind, lr=1e-3, muon_lr=1e-3, verbose=False)
+    x = torch.randint(0, s["vocab_size"], (s["B"], s["T"] + 1), generator=torch.Generator().manual_seed(SEED))
+    for step in range(steps + 2):
+        for kind in ms:
+            t0 = time.perf_counter()
+            _, loss = models[kind](x[:, :-1], x[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(models[kind].parameters(), 1.0)
+            t1 = time.perf_counter()
+            for opt in opts[kind]:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            if step >= 2:  # warm-up
+                ms[kind][0].append(1e3 * (t2 - t0))
+                ms[kind][1].append(1e3 * (t2 - t1))
+    return {k: dict(ms_per_step=statistics.median(a), opt_ms_per_step=statistics.median(b)) for k, (a, b) in ms.items()}
 
 
 def load():
@@ -235,6 +262,7 @@ def main():
     p.add_argument("--scales", default="ab")
     p.add_argument("--report", action="store_true", help="summarize and plot the runs in the JSON")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timing", action="store_true", help="alternating adamw/muon steps: the step-time overhead")
     p.add_argument("--stop_at", help="HH:MM local time after which no further run starts (the report still runs)")
     args = p.parse_args()
     global STOP_AT
@@ -243,6 +271,11 @@ def main():
     if args.report:
         return report(results, RESULTS.replace(".json", ".png"))
     torch.set_num_threads(args.threads)
+    if args.timing:
+        results["timing"] = {s: timing(s) for s in args.scales}
+        results["timing"]["threads"] = args.threads
+        print(json.dumps(results["timing"], indent=1))
+        return save(load() | {"timing": results["timing"]})  # the sweep may have written runs meanwhile
     data.prepare_python_corpus(DATA_DIR)
     for s in args.scales:
         sweep(results, s, "adamw", SCALES[s]["adamw"])

@@ -197,3 +197,28 @@ def test_torch_without_muon_is_one_line(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon")
     with pytest.raises(UserError, match=r"torch >= 2\.9"):
         optim.build_optimizers(tiny(), "muon", verbose=False)
+
+
+def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
+    """GradScaler skips each optimizer on its own gradients: a nan in wte's (AdamW) leaves Muon's step on,
+    and the clip has made Muon's gradients nan (an inf: zero, and Muon still decays and moves by momentum). So a non-finite step skips every optimizer's step and
+    only updates the scale (unscale_ recorded the inf), as the trainer must do."""
+    def nan_in_wte():
+        model = tiny()
+        opts = optim.build_optimizers(model, "muon", verbose=False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        x, y = batch()
+        scaler.scale(model(x, y)[1]).backward()
+        model.transformer.wte.weight.grad[0, 0] = float("nan")
+        for opt in opts:
+            scaler.unscale_(opt)
+        assert not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        return model, opts, scaler
+
+    model, opts, scaler = nan_in_wte()
+    scaler.step(opts[1])  # what a per-optimizer skip would do
+    assert torch.isnan(model.transformer.h[0].mlp.c_fc.weight).all()
+    model, opts, scaler = nan_in_wte()
+    before = [p.clone() for p in model.parameters()]
+    scaler.update()  # no scaler.step: the whole step is skipped
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters())) and scaler.get_scale() == 2.0 ** 9
