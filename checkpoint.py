@@ -1,0 +1,286 @@
+"""
+A run's out_dir: its checkpoints (save, read, newest, prune), what a checkpoint changes on resume, and
+the lock that keeps one live run per out_dir.
+
+    lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
+    ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
+    save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master, **extra)
+
+Checkpoints hold plain tensors/dicts/numbers only, so torch.load(weights_only=True) reads them; the
+optimizer state is keyed by parameter name (one state for AdamW alone, or AdamW + Muon together).
+"""
+import dataclasses
+import datetime
+import errno
+import json
+import os
+import re
+import socket
+import threading
+import time
+
+import torch
+
+from distributed import agree
+from fileio import UserError, replacing
+from model import read_checkpoint
+from sharding import full_state
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
+RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
+            "grad_clip", "seed", "muon_lr", "muon_momentum")
+
+
+def checkpoint_path(out_dir, step):
+    return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
+
+
+def checkpoint_files(out_dir):
+    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
+    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
+
+
+def latest_checkpoint(out_dir, warn=print):
+    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it.
+    The steps are read with mmap, so that only the chosen file is read in full."""
+    held = []
+    for _, path in checkpoint_files(out_dir):
+        try:
+            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
+        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
+            warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:100]})")
+    for step, path in sorted(held, reverse=True):
+        try:
+            return path, read_checkpoint(path)
+        except UserError as e:
+            warn(f"warning: skipping {path}: {e}")
+    return None, None
+
+
+def optimizer_kind(ckpt):
+    """"adamw" or "muon": which optimizers a checkpoint's state belongs to (older ones: AdamW)."""
+    return ckpt.get("config", {}).get("optimizer", "adamw")
+
+
+def resume_overrides(out_dir, cfg, given, say=print):
+    """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value} it
+    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one, auto
+    takes one if there is one. A model shape, init_from or optimizer the user set that differs from the
+    checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed reported in one
+    line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...) come from cfg."""
+    files = checkpoint_files(out_dir)
+    how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
+    if cfg.resume == "false":
+        if files:
+            raise UserError(f"out_dir {out_dir!r} holds another run's checkpoints ({os.path.basename(files[0][1])}): {how}")
+        return None, {}
+    if not files:
+        if cfg.resume == "true":
+            raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at the run")
+        return None, {}
+    path, ckpt = latest_checkpoint(out_dir, warn=say)
+    if ckpt is None:
+        raise UserError(f"out_dir {out_dir!r} holds ckpt_*.pt files but none is readable: choose another --out_dir")
+    saved, model_args = ckpt.get("config", {}), ckpt["model_args"]
+    for key in MODEL_KEYS + ("init_from",):
+        have = model_args.get(key) if key in MODEL_KEYS else saved.get(key, cfg.init_from)
+        if key in given and getattr(cfg, key) != have:
+            raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as asked: "
+                            f"choose another --out_dir for a new run (or drop {key} to continue this one)")
+    if optimizer_kind(ckpt) != cfg.optimizer:
+        raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not {cfg.optimizer} as asked: its "
+                        f"optimizer state cannot continue as the other; drop --optimizer to resume, or start a new run "
+                        f"from its weights with --init_from={path} --out_dir=<a new folder>")
+    overrides = {k: saved[k] for k in RUN_KEYS if k in saved}
+    changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})" for k, v in overrides.items() if v != getattr(cfg, k)]
+    if changed:
+        say(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the run; "
+            f"to change them start a new run in another out_dir")
+    ckpt["path"] = path
+    return ckpt, overrides
+
+
+def prune_checkpoints(out_dir, step, keep_last):
+    """Once ckpt_{step} is in place: delete the checkpoints older than it but the keep_last - 1 newest
+    (keep_last 0: keep all), and the .tmp left by a save that was killed. Higher-numbered files (an
+    unreadable one that resume skipped) are left alone."""
+    for name in os.listdir(out_dir):
+        if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
+            os.remove(os.path.join(out_dir, name))
+    older = [path for s, path in checkpoint_files(out_dir) if s < step]
+    for path in older[keep_last - 1:] if keep_last > 0 else []:
+        os.remove(path)
+
+
+def rng_state(device):
+    """The CPU generator and this process's own GPU generator only: a checkpoint then resumes on a
+    machine with another number of GPUs (each rank restores its own device's state)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"])
+    if torch.device(device).type == "cuda" and torch.is_tensor(state.get("cuda")):
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master=True, **extra):
+    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes.
+    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at this
+    step ran, the skip guard's history)."""
+    model_state, optimizer_state = full_state(raw_model, optimizers)  # full CPU tensors on rank 0
+    if not master:
+        return
+    ckpt = {
+        "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. / module. prefixes
+        "model_args": dataclasses.asdict(raw_model.config),
+        "optimizer": optimizer_state,  # keyed by parameter name, with or without FSDP; AdamW's and Muon's together
+        "scaler": scaler.state_dict(),
+        "step": step,  # optimizer steps done
+        "config": config,
+        "loader": loader.state_dict(),
+        "rng": rng_state(device),
+        **extra,
+    }
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # never a half-written checkpoint under the real name
+        try:
+            torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
+        except RuntimeError as e:  # torch's own report of a short write
+            raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
+
+
+def finite_state(raw_model, optimizers, device):
+    """Whether the weights and the optimizer state are all finite (checked before every save), agreed
+    over the ranks (under FSDP each holds its own shards)."""
+    tensors = list(raw_model.parameters()) + [v for opt in optimizers for state in opt.state.values()
+                                              for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP: this rank's shard
+    ok = bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())  # sync: before a save only
+    return agree(float(ok), "min", device) == 1.0
+
+# -----------------------------------------------------------------------------
+# one live run per out_dir
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid):
+    """The start time of a live process (in clock ticks since boot), "" where /proc has none, None when
+    no such process: a pid reused by another program does not look like the holder."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+class OutDirLock:
+    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google
+    Drive, where fcntl/flock locks may not hold or may not be seen by another machine), holding the
+    holder's pid, host and start time; a thread refreshes its mtime every HEARTBEAT seconds. A lock is
+    stale, and taken over, when its holder is on this host and gone (or its pid now is another process,
+    or the machine rebooted), or on another host and silent for STALE seconds: a crashed, SIGKILLed or
+    preempted run never blocks resume=auto."""
+    HEARTBEAT = 30.0
+    STALE = 300.0
+
+    def __init__(self):
+        self.out_dir = self.path = None
+        self.made_dir, self._stop, self._thread = False, threading.Event(), None
+        self.me = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
+                   "process_start": _process_start(os.getpid()) or "",
+                   "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+    def holder(self):
+        """The lock's content (a dict), or None when there is none or it is stale."""
+        try:
+            with open(self.path) as f:
+                held = json.load(f)
+            age = time.time() - os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # half-written by a run killed while taking it
+            return None if time.time() - os.path.getmtime(self.path) > 5 else {"pid": "?", "host": "?", "since": "?"}
+        if held.get("host") != self.me["host"]:
+            return held if age < self.STALE else None
+        if held.get("boot_id") != self.me["boot_id"]:
+            return None
+        start = _process_start(int(held.get("pid", -1)))
+        return held if start is not None and start == held.get("process_start", start) else None
+
+    def acquire(self, out_dir):
+        """Take out_dir's lock or raise UserError naming the live holder. Idempotent for this process."""
+        self.out_dir, self.path = out_dir, os.path.join(out_dir, "run.lock")
+        if not os.path.isdir(self.out_dir):
+            os.makedirs(self.out_dir)
+            self.made_dir = True
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                held = self.holder()
+                if held is not None and held.get("pid") == self.me["pid"] and held.get("host") == self.me["host"]:
+                    return self
+                if held is not None:
+                    raise UserError(f"out_dir {self.out_dir!r} is in use by a live run: pid {held.get('pid')} on "
+                                    f"{held.get('host')}, since {held.get('since')} ({self.path}); wait for it to finish "
+                                    f"or stop it, or choose another --out_dir") from None
+                stale = f"{self.path}.stale.{os.getpid()}"  # one of several racers wins the O_EXCL that follows
+                try:
+                    os.replace(self.path, stale)
+                    os.remove(stale)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+            return self
+        raise UserError(f"could not take {self.path}: other runs keep taking it; choose another --out_dir")
+
+    def _beat(self):
+        while not self._stop.wait(self.HEARTBEAT):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self):
+        """Remove the lock if it is still ours (and out_dir, if this run made it and left it empty)."""
+        self._stop.set()
+        if self.path is None:
+            return
+        try:
+            with open(self.path) as f:
+                ours = json.load(f).get("pid") == self.me["pid"]
+            if ours:
+                os.remove(self.path)
+        except (OSError, ValueError):
+            pass
+        if self.made_dir:
+            try:
+                os.rmdir(self.out_dir)
+            except OSError:
+                pass

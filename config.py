@@ -1,0 +1,282 @@
+"""
+The trainer's configuration: typed defaults (build-nanogpt's 124M recipe), config files, --key=value.
+
+    cfg, given = parse_args(["configs/quickstart.py", "--max_steps=10"])   # a frozen Config, the keys set
+    print(help_text())                                                      # python train_gpt2.py --help
+
+Config files are plain Python assignments (`n_layer = 12`) applied in order to the defaults below;
+`--key=value` overrides them. The Config is frozen once parsed: what a run decides from it (device,
+precision, micro-batch, ...) is the trainer's Run, never written back here.
+"""
+import dataclasses
+import difflib
+import io
+import json
+import os
+import re
+import shutil
+import textwrap
+import tokenize
+import types
+import inspect
+from dataclasses import dataclass
+
+import precision
+from fileio import UserError
+
+
+@dataclass(frozen=True)
+class Config:
+    # data and output
+    data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
+    data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
+    data: str = ""  # your own text (a file, folder or glob): tokenized into a cache beside out_dir, used instead of data_dir
+    shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
+    out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
+    # model
+    init_from: str = "scratch"  # "scratch", a GPT-2 name (gpt2 .. gpt2-xl), a save_pretrained dir or a ckpt_*.pt
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # width of the residual stream
+    block_size: int = 1024  # the longest context the model takes (its position embeddings)
+    vocab_size: int = 50304  # 50257 padded to a multiple of 64: faster matmuls
+    # batch: total_batch_size tokens per optimizer step, in micro-batches of micro_batch_size x seq_len per rank
+    micro_batch_size: int = 64  # rows per micro-batch; --micro_batch_size=auto sets auto_micro_batch instead
+    auto_micro_batch: bool = False  # CUDA: probe for the largest fast micro-batch that fits (memory.choose_micro_batch)
+    seq_len: int = 1024  # tokens per row of a micro-batch, at most block_size
+    total_batch_size: int = 524288  # 2**19 tokens, ~0.5M as in GPT-3 Small
+    # optimization: linear warmup then cosine decay to min_lr, one schedule for every optimizer
+    optimizer: str = "adamw"  # "adamw" everywhere, or "muon": Muon on the blocks' matrices, AdamW on the rest
+    max_steps: int = 19073  # 10B tokens / 524288 tokens per step
+    warmup_steps: int = 715  # GPT-3 warms up over 375M tokens
+    max_lr: float = 6e-4  # AdamW's learning rate after warmup
+    min_lr: float = 6e-5  # AdamW's learning rate at max_steps
+    weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
+    muon_lr: float = 0.02  # optimizer=muon: Muon's learning rate after warmup (scaled by the same schedule)
+    muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
+    eval_interval: int = 250  # steps between val loss evaluations
+    val_steps: int = 20  # val batches (micro_batch_size x seq_len per rank) from the start of the val split
+    hellaswag_interval: int = 250  # steps between HellaSwag evaluations
+    hellaswag_file: str = ""  # local HellaSwag jsonl; "" = the val split, downloaded once and cached
+    hellaswag_limit: int = 0  # evaluate the first N examples only; 0 = all
+    sample_interval: int = 250  # steps between printed samples
+    num_samples: int = 4  # samples printed each time
+    sample_tokens: int = 32  # new tokens per sample
+    sample_prompt: str = "Hello, I'm a language model,"  # the text samples continue
+    checkpoint_interval: int = 5000  # steps between out_dir/ckpt_XXXXXX.pt files
+    checkpoint_minutes: float = 60.0  # also save when this long has passed since the last save (0 = off)
+    keep_last: int = 2  # checkpoints kept in out_dir (older ones are deleted once a new one is in place); 0 = all
+    resume: str = "false"  # "true": continue from the newest out_dir/ckpt_*.pt; "auto": if there is one; "false": start fresh
+    # surviving the session: stop cleanly on SIGINT/SIGTERM or near the time limit; stop on divergence
+    time_limit: float = 0.0  # minutes from start-up; save and stop before they run out (0 = no limit)
+    max_skipped: int = 10  # stop after this many optimizer steps skipped in a row (inf/nan, outliers); 0 = never
+    skip_outliers_z: float = 0.0  # skip the update when loss or grad norm is > z std above the last 128 steps' mean (0 = off)
+    # logging: out_dir/log.jsonl always; TensorBoard and Weights & Biases when asked (logger.py)
+    tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs `pip install tensorboard`)
+    wandb_project: str = ""  # also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline: no network)
+    wandb_run_name: str = ""  # the W&B run's name; "" = wandb picks one
+    # system
+    device: str = "auto"  # auto, cpu, cuda, cuda:N, mps
+    plan: str = "auto"  # CUDA: run another GPU generation's plan on this GPU, for testing (sm60, sm75, sm80, sm90)
+    precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
+    compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true, false
+    seed: int = 1337  # the run's random seed (initial weights, samples)
+    dist_timeout: int = 600  # seconds a rank waits for its peers in a collective before giving up (torchrun)
+    # memory: for models that do not fit (see bench/README.md for what fits where)
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
+    activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
+
+
+CHOICES = {
+    "data_source": ("fineweb", "python"),
+    "optimizer": ("adamw", "muon"),
+    "plan": ("auto", *precision.EMULATED_PLANS),
+    "precision": precision.PRECISIONS,
+    "compile": ("auto", "true", "false"),
+    "activation_checkpointing": ("none", "blocks", "every_other"),
+    "resume": ("false", "true", "auto"),
+}
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+# nanoGPT's and build-nanogpt's names for our keys: a did-you-mean that explains the difference
+NANOGPT_NAMES = {
+    "learning_rate": "max_lr (the peak learning rate; min_lr is where the cosine ends)",
+    "batch_size": "micro_batch_size (rows per micro-batch; total_batch_size is tokens per optimizer step)",
+    "max_iters": "max_steps",
+    "lr_decay_iters": "max_steps (the cosine ends at max_steps)",
+    "warmup_iters": "warmup_steps",
+    "gradient_accumulation_steps": "total_batch_size (tokens per optimizer step; accumulation follows from it)",
+    "block_size_train": "seq_len",
+    "eval_iters": "val_steps",
+    "dtype": "precision",
+    "decay_lr": "min_lr (set min_lr = max_lr for a constant learning rate)",
+    "always_save_checkpoint": "checkpoint_interval",
+    "wandb_log": "wandb_project",
+}
+
+
+def check_key(key):
+    if key in FIELDS:
+        return
+    if key in NANOGPT_NAMES:
+        raise UserError(f"unknown config key {key!r}: here it is {NANOGPT_NAMES[key]}")
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise UserError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(FIELDS)}")
+
+
+def check_value(key, value):
+    """value (from a config file, or parsed from the command line) as the key's type, or UserError."""
+    if key == "resume" and isinstance(value, bool):  # resume = True in a config file
+        value = str(value).lower()
+    t = FIELDS[key].type
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, t) or (t is int and isinstance(value, bool)):
+        kind = 'an integer or "auto"' if key == "micro_batch_size" else "true, false or auto" if key == "resume" else TYPE_NAMES[t]
+        raise UserError(f"{key} must be {kind}, got {value!r} (default: {FIELDS[key].default!r})")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise UserError(f"{key} must be one of {', '.join(CHOICES[key])}; got {value!r}")
+    return value
+
+
+def parse_value(key, text):
+    """A --key=value string as the key's type."""
+    t = FIELDS[key].type
+    if key == "micro_batch_size" and text == "auto":
+        return text
+    if key == "resume":
+        return {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(text.lower(), text.lower())
+    try:
+        if t is bool:
+            return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
+        return t(text)
+    except (KeyError, ValueError):
+        kind = 'an integer or "auto"' if key == "micro_batch_size" else TYPE_NAMES[t]
+        raise UserError(f"--{key}={text} is not {kind} (default: {FIELDS[key].default!r})") from None
+
+
+def read_config_file(path):
+    """The assignments of a config file: {name: value}, names starting with _ and imports left out."""
+    if os.path.isdir(path):
+        raise UserError(f"config file {path!r} is a folder: pass a file such as configs/quickstart.py")
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} not found (options are written --key=value)")
+    ns = {}
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), ns)
+    except Exception as e:
+        raise UserError(f"config file {path!r} does not run: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in ns.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def parse_args(argv):
+    """Config files and --key=value overrides, applied in order. Returns (the frozen Config, {key the user
+    set: "file" or "cli", where it was set last}). micro_batch_size=auto is stored as auto_micro_batch=true."""
+    values, given = {}, {}
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise UserError(f"{arg}: options are written --key=value")
+            key, text = arg[2:].split("=", 1)
+            check_key(key)
+            items, source = {key: parse_value(key, text)}, "cli"
+        else:
+            items, source = read_config_file(arg), "file"
+        for key, value in items.items():
+            check_key(key)
+            if key == "micro_batch_size":  # "auto" or a number: which one, said once, here
+                values["auto_micro_batch"] = value == "auto"
+                given["auto_micro_batch"] = given[key] = source
+                if value == "auto":
+                    continue
+            values[key] = check_value(key, value)
+            given[key] = source
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg, given
+
+
+def validate(cfg):
+    """Refuse what cannot run or contradicts itself: one UserError line."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
+                "total_batch_size", "max_steps", "val_steps", "num_samples", "dist_timeout"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"{key} must be at least 1, got {getattr(cfg, key)}")
+    for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
+                "sample_tokens", "checkpoint_interval", "checkpoint_minutes", "keep_last", "time_limit",
+                "max_skipped", "skip_outliers_z", "max_lr", "min_lr", "weight_decay", "grad_clip", "muon_lr",
+                "muon_momentum"):
+        if not getattr(cfg, key) >= 0:  # (NaN fails this too)
+            raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
+    for key in ("max_lr", "min_lr", "muon_lr"):  # (NaN fails this too)
+        if not getattr(cfg, key) < 1e37:
+            raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 above ~3e37")
+    if cfg.min_lr > cfg.max_lr:
+        raise UserError(f"min_lr={cfg.min_lr:g} is above max_lr={cfg.max_lr:g}: the cosine decays from max_lr down to "
+                        "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
+    if cfg.muon_momentum >= 1:
+        raise UserError(f"muon_momentum must be below 1, got {cfg.muon_momentum:g} (0.95 is usual)")
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+    if os.path.isfile(cfg.out_dir):
+        raise UserError(f"out_dir {cfg.out_dir!r} is a file; out_dir is a folder: move the file or choose another out_dir")
+
+
+def oddities(cfg):
+    """Warnings for what runs but is probably not what was meant."""
+    warnings = []
+    if cfg.warmup_steps >= cfg.max_steps:
+        warnings.append(f"warning: warmup_steps={cfg.warmup_steps} is not below max_steps={cfg.max_steps}: the learning "
+                        f"rate never reaches max_lr and never decays (warmup_steps is usually ~1-5% of max_steps)")
+    return warnings
+
+
+def asked_and_resolved(cfg, resolved):
+    """config.json: what the user asked for and what the run resolved it to, side by side, and the keys
+    the run decided differently (device, precision, micro-batch, ...)."""
+    asked, got = dataclasses.asdict(cfg), dataclasses.asdict(resolved)
+    return {"asked": asked, "resolved": got, "changed": sorted(k for k in asked if asked[k] != got[k])}
+
+# -----------------------------------------------------------------------------
+# --help
+
+
+def config_sections():
+    """Config's keys as [(section, [names])] and {name: meaning}, read from its source: a comment line
+    opens a section, the comment that ends a field's line says what it means. --help prints these, and
+    tests/test_readme.py holds the README's key list to them."""
+    sections, meaning = [], {}
+    for line in inspect.getsource(Config).splitlines():
+        code = line.strip()
+        if code.startswith("#"):
+            sections.append((code.lstrip("# "), []))
+        elif re.match(r"\w+\s*:", code) and code.split(":")[0].strip() in FIELDS:
+            name = code.split(":")[0].strip()
+            comments = [t.string for t in tokenize.generate_tokens(io.StringIO(code).readline) if t.type == tokenize.COMMENT]
+            sections[-1][1].append(name)
+            meaning[name] = comments[0].lstrip("# ") if comments else ""
+    return sections, meaning
+
+
+def help_text(width=None):
+    """`python train_gpt2.py --help`: every key with its type, default and meaning, by section. A key's
+    meaning goes on its own indented lines, so it wraps at the terminal's width, not in a narrow column."""
+    width = width or max(80, shutil.get_terminal_size().columns)
+    sections, meaning = config_sections()
+    lines = ["usage: python train_gpt2.py [CONFIG_FILE ...] [--key=value ...]", "",
+             "Config files (plain Python assignments, see configs/) and --key=value overrides apply in order",
+             "to the defaults below; the resolved config is printed at start-up and saved as out_dir/config.json."]
+    for title, names in sections:
+        lines += ["", title + ":"]
+        for name in names:
+            f = FIELDS[name]
+            kind = ("|".join(CHOICES[name]) if name in CHOICES else "int|auto" if name == "micro_batch_size"
+                    else "true|false" if f.type is bool else f.type.__name__)
+            lines.append(f"  --{name}={kind}  (default: {json.dumps(f.default)})")
+            lines.append(textwrap.fill(meaning[name], width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                       break_long_words=False, break_on_hyphens=False))
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""
+The launcher's environment, read once, and what the ranks of a torchrun launch do together.
+
+    env = DistEnv.from_environ()        # RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (torchrun's), once, in main
+    startup = init(env, device, timeout)  # the training process group, and a gloo group for start-up waits
+    data_dir = rank0_first(prepare, env, startup)   # rank 0 builds, the others then read; a failure stops all
+    n = agree(value, "max", device)      # the same number on every rank
+    teardown()
+
+Imports torch and fileio only.
+"""
+import dataclasses
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from fileio import UserError
+
+STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the other ranks wait this long for rank 0's data prep, not dist_timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    ddp: bool = False  # launched by torchrun
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, environ=None):
+        e = os.environ if environ is None else environ
+        return cls(ddp="RANK" in e, rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
+                   world_size=int(e.get("WORLD_SIZE", 1)), local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)))
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def nodes(self):
+        return self.world_size // self.local_world_size
+
+
+def init(env, device, timeout_s):
+    """Under torchrun: the process group (NCCL on CUDA, gloo on CPU) with timeout_s for collectives, and
+    a gloo group for rank0_first's start-up waits (STARTUP_TIMEOUT). Returns that group, or None."""
+    if not env.ddp:
+        return None
+    device_type = torch.device(device).type
+    if device_type == "mps":
+        raise UserError("torchrun on MPS is not supported: run one process, or use --device=cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    # NCCL: the watchdog tears a hung collective down after dist_timeout (3: without cleanup, the
+    # torch default; 0 would leave it blocking forever); gloo raises in the waiting rank
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
+
+
+def teardown():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(value, op, device, group=None):
+    """The same number on every DDP rank: all_reduce with op ('max' or 'min') over group (None: all
+    ranks, the default process group; a gloo group takes device "cpu"); unchanged without DDP."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)  # sync: .item()
+    return t.item()
+
+
+def rank0_first(work, env, startup):
+    """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus, a
+    download in the cache). The ranks wait for each other in the start-up group (gloo, STARTUP_TIMEOUT:
+    tokenizing a large --data can outlast dist_timeout). Each turn ends with the ranks agreeing on the
+    worst outcome, so a failure on any rank stops them all at once, with its exit code (2 bad input, 1
+    otherwise), instead of leaving the others waiting for a peer that is gone and then blaming the network.
+    startup None (no torchrun): work() alone."""
+    if startup is None:
+        return work()
+    result = None
+    for turn in ("rank 0", "another rank"):
+        failure = None
+        if env.master == (turn == "rank 0"):
+            try:
+                result = work()
+            except Exception as e:  # noqa: BLE001 - said below, then raised again
+                failure = e
+        code = 0 if failure is None else 2 if isinstance(failure, UserError) else 1
+        worst = int(agree(code, "max", "cpu", group=startup))
+        if failure is not None:
+            if not env.master and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
+                print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
+            raise failure
+        if worst:
+            why = f"stopped: {turn} failed at start-up; its error is in its output"
+            if not env.master and env.local_rank == 0:  # one line on each other node (rank 0 says its own)
+                print(f"error: rank {env.rank}: {why}", file=sys.stderr)
+            raise (UserError if worst == 2 else OSError)(why)
+    return result
+
+
+def peer_failure(e):
+    """Whether a RuntimeError is a collective that failed for want of a peer: torch.distributed's own
+    errors, and the backends' timeouts and closed connections that DDP's reducer raises as plain
+    RuntimeErrors."""
+    return isinstance(e, dist.DistError) or any(s in str(e) for s in (
+        "Timed out waiting", "Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+        "Watchdog caught collective operation timeout"))
