@@ -17,8 +17,9 @@ plan's other SDPA kernel orders, micro-batches 16/32/64, compile mode max-autotu
 that cannot apply on the device are printed as skipped, with the reason. Every row counts the host
 syncs of a step.
 
-The memory estimate, the micro-batch finder and the step the probes take live in precision.py (the
-trainer uses them too); this file times and reports. Never imports train_gpt2.
+The memory estimate and the micro-batch finder live in memory.py, the training step in precision.py
+(precision.train_step runs the trainer's own accumulate_gradients + optimizer_step, so the ladder times
+the step training runs); this file times and reports. Never imports train_gpt2.
 """
 import dataclasses
 import os
@@ -36,9 +37,10 @@ from torch.utils._pytree import tree_flatten
 import precision
 from fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
-from precision import (activation_bytes_estimate, auto_micro_batch, compile_model, compile_probe, estimated_micro_batch,
-                       fmt_bytes, free_memory, is_oom, optimizer_state_tensors, param_counts, random_batch,
-                       tensor_bytes, training_bytes_estimate, train_step)
+from distributed import agree
+from memory import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
+                    optimizer_state_tensors, param_counts, random_batch, tensor_bytes, training_bytes_estimate)
+from precision import is_oom, train_step
 
 # -----------------------------------------------------------------------------
 # configurations: the real model on a GPU, small ones on a CPU
@@ -189,7 +191,7 @@ def time_steps(model, optimizer, scaler, x, y, plan, warmup, steps):
     for i in range(warmup + steps):
         precision.synchronize(plan.device)
         t0 = time.perf_counter()
-        train_step(model, optimizer, scaler, x, y, plan)
+        train_step(model, [optimizer], scaler, x, y, plan)
         precision.synchronize(plan.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -206,11 +208,11 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     raw, model, optimizer = build(settings, size, seq_len, device, device_type)
-    scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
+    scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     x, y = random_batch(settings.get("micro_batch", micro_batch), seq_len, device)
     ms = 1000 * time_steps(model, optimizer, scaler, x, y, plan, warmup, steps)
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
-    syncs = count_syncs(lambda: train_step(model, optimizer, scaler, x, y, plan)) if device_type == "cuda" else None
+    syncs = count_syncs(lambda: train_step(model, [optimizer], scaler, x, y, plan)) if device_type == "cuda" else None
     fpt = flops_per_token(raw, seq_len)
     return ms, fpt, peak, syncs
 
@@ -344,9 +346,9 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
             raw, _, optimizer = build(settings, size, seq_len, device, device_type)
             torch._dynamo.reset()
             model = wrap_ddp(raw, order, [device] if device_type == "cuda" else None, backend)
-            scaler = torch.amp.GradScaler(device_type) if plan.grad_scaler else None
+            scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
             x, y = random_batch(micro_batch, seq_len, device, seed=1337 + dist.get_rank())
-            ms = 1000 * precision.agree(time_steps(model, optimizer, scaler, x, y, plan, warmup, steps), "max", device)
+            ms = 1000 * agree(time_steps(model, optimizer, scaler, x, y, plan, warmup, steps), "max", device)
             tok_s = world * micro_batch * seq_len / (ms / 1000)
             first = first or tok_s
             row.update(ms_per_step=ms, tokens_per_s=tok_s, speedup_first=tok_s / first,
@@ -489,14 +491,14 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
         torch.cuda.reset_peak_memory_stats()
     raw, model, optimizer = build(settings, size, seq_len, device, device_type)
     x, y = random_batch(micro_batch, seq_len, device)
-    scaler = torch.amp.GradScaler(device_type) if settings["scaler"] else None
+    scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     saved, logits = saved_activation_bytes(raw, x, y, plan)
     peak = step_peak_bytes(raw, x, y, plan)
     for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
-        train_step(model, optimizer, scaler, x, y, plan)
+        train_step(model, [optimizer], scaler, x, y, plan)
     precision.synchronize(device)
     params = list(raw.parameters())
-    p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors(optimizer))
+    p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors([optimizer]))
     est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
@@ -675,9 +677,8 @@ def run(args):
         raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
         precision.set_tf32(plan.tf32)
         try:
-            b, reason, _ = auto_micro_batch(raw, optimizer, args.seq_len, args.total_batch_size, 1, args.device, plan,
-                                            default=args.micro_batch_size, headroom=args.headroom,
-                                            compile=lambda m, b: compile_model(m, plan, compile_probe(b, args.seq_len, plan)))
+            b, reason, _ = auto_micro_batch(raw, [optimizer], args.seq_len, args.total_batch_size, 1, args.device, plan,
+                                            default=args.micro_batch_size, headroom=args.headroom)
         except ValueError as e:
             raise UserError(str(e)) from None
         print(f"{header(args, steps=False)}\n{reason}")

@@ -279,8 +279,8 @@ def tokenize_into(files, out_dir, shard_size, val_fraction):
 # the quickstart corpus: Python's own help pages and standard library, offline
 
 
-PYTHON_SHARD_SIZE = 400_000  # tokens a chunk: 11 chunks on Python 3.11
-PYTHON_VAL_FRACTION = 0.0025  # 1K val tokens from each chunk, 10.7K in all (75 rows of 129), along the corpus
+PYTHON_SHARD_SIZE = 820_000  # tokens a chunk: 6 on Python 3.11, each full one's val head 2 rows of seq_len 1024
+PYTHON_VAL_FRACTION = 0.0025  # 2,050 val tokens a chunk, 10.7K in all (10 rows of 1025, 83 of 129), along the corpus
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings", "pydoc_data", "__pycache__"}
 
 
@@ -296,7 +296,8 @@ def python_sources():
 
 def prepare_python_corpus(data_dir):
     """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
-    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py. Only into a folder
+    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py; val is the head
+    of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on 3.11). Only into a folder
     that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         return  # a file: shard_paths() says what to do instead
@@ -326,14 +327,15 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(cfg, rows, build=True):
-    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache, the
-    quickstart corpus (data_source="python"), or data_dir as it is."""
-    if cfg.data:
-        cache = own_text_dir(cfg.data, cfg.out_dir)
+def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True):
+    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
+    checked to hold `rows` rows of seq_len + 1 tokens), the quickstart corpus (data_source="python"), or
+    data_dir as it is."""
+    if data:
+        cache = own_text_dir(data, out_dir)
         if build:
-            prepare_own_text(cfg.data, cache, cfg.seq_len, rows)
+            prepare_own_text(data, cache, seq_len, rows)
         return cache
-    if build and cfg.data_source == "python":
-        prepare_python_corpus(cfg.data_dir)
-    return cfg.data_dir
+    if build and data_source == "python":
+        prepare_python_corpus(data_dir)
+    return data_dir

@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from fileio import UserError, naming, write_json
+from fileio import UserError, naming, replacing, write_json
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
@@ -176,3 +176,26 @@ def micro_step_bar(grad_accum, master, stream=None):
     show = master and grad_accum > 1 and stream.isatty()
     return tqdm(total=grad_accum, desc="micro-steps", unit="", file=stream, leave=False, dynamic_ncols=True,
                 delay=PROGRESS_DELAY, disable=not show)
+
+
+def trim_log(path, step, keep_evals):
+    """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has no
+    duplicates: every row from step on, except the evals at step itself when the checkpoint was written
+    after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        at = row.get("step", -1) if isinstance(row, dict) else -1
+        if at < step or (at == step and keep_evals and "loss" not in row):
+            keep.append(line)
+    if len(keep) < len(lines):
+        with replacing(path) as tmp:
+            with open(tmp, "w") as f:
+                f.write("".join(line + "\n" for line in keep))

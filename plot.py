@@ -58,6 +58,7 @@ def read_run(run_dir):
     try:
         with open(config_path) as f:
             config = json.load(f)
+        config = config.get("resolved", config)  # {"asked", "resolved", "changed"}; older runs: the config itself
         tokens_per_step = int(config["total_batch_size"])
         config["n_layer"], config["n_embd"] = int(config.get("n_layer", 12)), int(config.get("n_embd", 768))
         if min(tokens_per_step, config["n_layer"], config["n_embd"]) < 1:

@@ -11,10 +11,13 @@ import pytest
 import torch
 
 import bench
+import memory
 import precision
+from distributed import agree
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import default_plan
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
 
 
 def cpu_plan(dtype):
@@ -173,8 +176,8 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
             else:
                 assert isinstance(wrapped._orig_mod, DDP) and wrapped._orig_mod.module is model
-            precision.train_step(wrapped, opt, None, *precision.random_batch(2, 16, "cpu"), plan)
-            grads.append([p.grad.clone() for p in model.parameters()])
+            precision.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
+            grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
         rows = bench.run_ddp(plan, "tiny", 2, 16, 0, 1, force_compile=True, backend="eager")
         assert [r["name"] for r in rows] == list(bench.DDP_ORDERS)
@@ -235,7 +238,7 @@ def linear_usage(limit, headroom=0.1):
 def test_search_matches_brute_force(limit, seq_len, total, world, speed):
     calls = []
     usage = linear_usage(limit)
-    b, reason = precision.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
+    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
     assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
     accum = total // (b * seq_len * world)
     assert b * seq_len * world * accum == total
@@ -244,38 +247,38 @@ def test_search_matches_brute_force(limit, seq_len, total, world, speed):
 
 
 def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
-    b, reason = precision.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
+    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
     assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
     assert "grad_accum 10" in reason and "80 runs out of memory" in reason
 
 
 def test_search_falls_back_below_8_and_says_so():
-    b, reason = precision.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
+    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
     assert b == 4 and "no multiple of 8 fits" in reason
 
 
 def test_search_keeps_headroom():
     usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
     speed = lambda b: float(b)  # noqa: E731
-    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
-    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
-    assert precision.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
 
 
 def test_search_treats_oom_as_not_fitting():
-    b, reason = precision.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
+    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
     assert b == 16 and "32 runs out of memory" in reason
 
 
 def test_search_respects_max_micro_batch():
-    assert precision.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
+    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
 
 
 def test_search_refuses_what_cannot_divide_or_fit():
     with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
-        precision.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
+        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
     with pytest.raises(ValueError, match="no micro-batch fits"):
-        precision.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
+        memory.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
 
 
 # -----------------------------------------------------------------------------
@@ -297,36 +300,36 @@ def test_search_skips_sizes_that_fail_when_timed():
     def measure(b):
         timed.append(b)
         return None if b > 16 else float(b)
-    b, reason = precision.search_micro_batch(usage, measure, 1024, 64 * 1024)
+    b, reason = memory.search_micro_batch(usage, measure, 1024, 64 * 1024)
     assert timed == [64, 32, 16]
     assert b == 16 and "out of memory or over the 90% limit" in reason, reason
     timed.clear()
-    b, reason = precision.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
+    b, reason = memory.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
                                              1024, 64 * 1024)
     assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
     with pytest.raises(ValueError, match="could be timed"):
-        precision.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
+        memory.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
 
 
 def test_auto_micro_batch_falls_back_on_cpu():
     model, opt = tiny_model_and_optimizer()
-    b, reason, timed = precision.auto_micro_batch(model, opt, 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
+    b, reason, timed = memory.auto_micro_batch(model, [opt], 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
     assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
     with pytest.raises(ValueError, match="not divisible"):
-        precision.auto_micro_batch(model, opt, 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
+        memory.auto_micro_batch(model, [opt], 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
     model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lrs = [g["lr"] for g in opt.param_groups]
-    seconds = precision.probe_steps(model, opt, 2, 16, "cpu", default_plan("cpu"), steps=2)
+    seconds = memory.probe_steps(model, [opt], 2, 16, "cpu", default_plan("cpu"), steps=2)
     assert seconds > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
     assert [g["lr"] for g in opt.param_groups] == lrs
-    precision.train_step(model, opt, None, *precision.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
 
 
@@ -345,7 +348,7 @@ def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_im
     model = GPT(config)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
-    assert (saved, logits) == precision.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
 
 
 def live_after_forward(model, x, y):
@@ -390,13 +393,13 @@ def test_chunked_loss_lowers_the_step_peak():
 
 def test_memory_summary_counts_the_tensors_on_cpu():
     model, opt = tiny_model_and_optimizer(vocab=50257)
-    precision.train_step(model, opt, None, *precision.random_batch(2, 16, "cpu"), default_plan("cpu"))
-    line = precision.memory_summary(model, opt, "cpu", micro_batch=2, seq_len=16)
+    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
-    assert f"params {precision.fmt_bytes(4 * n)}" in line and f"grads {precision.fmt_bytes(4 * n)}" in line
+    assert f"params {memory.fmt_bytes(4 * n)}" in line and f"grads {memory.fmt_bytes(4 * n)}" in line
     state = 2 * 4 * n + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
-    assert f"optimizer state {precision.fmt_bytes(state)}" in line
+    assert f"optimizer state {memory.fmt_bytes(state)}" in line
     assert "activations ~" in line and "n/a on cpu" in line
     assert "\n" not in line
 
@@ -428,7 +431,7 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
                        activation_checkpointing=ckpt)
     x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
     measured = bench.step_peak_bytes(GPT(config), x, y, cpu_plan(dtype))
-    parts = precision.training_bytes_estimate(config, 4, 64, dtype, "cpu")
+    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu")
     n = sum(p.numel() for p in GPT(config).parameters())
     assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
     step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
@@ -437,11 +440,11 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
 
 def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
     config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-xl"])
-    n, block = precision.param_counts(config)
+    n, block = memory.param_counts(config)
     assert round(n / 1e6) == 1558
-    one = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
-    ddp = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
-    fsdp = precision.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
+    one = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
+    ddp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
+    fsdp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
     assert one["parameters"] + one["gradients"] + one["optimizer state"] == 16 * n  # ~25 GB
     assert ddp["DDP buckets"] == 4 * n and one["DDP buckets"] == 0
     assert fsdp["optimizer state"] == 8 * n // 8 and fsdp["FSDP gathered"] == 2 * 4 * (n - 48 * block) + 3 * 2 * block
@@ -450,12 +453,12 @@ def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
 
 def test_estimated_micro_batch_is_the_largest_that_fits():
     config = GPTConfig(vocab_size=50304, activation_checkpointing="every_other", **bench.SIZES["gpt2-medium"])
-    total = lambda b: sum(precision.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
+    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
     budget = 0.9 * 40 * 2**30
-    b = precision.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
+    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
     assert b > 1 and total(b) <= budget < total(b + 1)
-    assert precision.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
-    cap, note = precision.micro_batch_cap(config, 1024, torch.bfloat16, budget)
+    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
+    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget)
     assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
 
 
@@ -472,7 +475,7 @@ def test_fit_table_orders_the_modes():
 
 def test_fmt_bytes():
     values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
-    assert [precision.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+    assert [memory.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
 
 
 def _agree_worker(rank, init_file, out_dir):
@@ -480,8 +483,8 @@ def _agree_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         mine = [3.0, 5.0][rank]  # the ranks hold different values
-        got = [precision.agree(mine, "max", "cpu"), precision.agree(mine, "min", "cpu"),
-               precision.agree([float("inf"), 1.0][rank], "min", "cpu")]
+        got = [agree(mine, "max", "cpu"), agree(mine, "min", "cpu"),
+               agree([float("inf"), 1.0][rank], "min", "cpu")]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(got, f)
     finally:
@@ -490,7 +493,7 @@ def _agree_worker(rank, init_file, out_dir):
 
 def test_agree_all_reduces_under_torch_distributed(tmp_path):
     """Two gloo processes holding 3 and 5: max is 5 and min 3 on both (one process could not tell MAX from MIN)."""
-    assert precision.agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
+    assert agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_agree_worker, args=(r, str(tmp_path / "pg"), str(tmp_path))) for r in range(2)]
     try:

@@ -58,7 +58,7 @@ def test_command_line_is_parsed_or_refused(argv, tmp_path_factory, monkeypatch):
     result = accepted_or_user_error(train_gpt2.parse_args, argv)
     if result is not None:
         cfg, given_keys = result
-        assert given_keys <= set(train_gpt2.FIELDS)
+        assert set(given_keys) <= set(train_gpt2.FIELDS)
         assert isinstance(cfg, train_gpt2.Config)
 
 
@@ -142,7 +142,7 @@ def test_shard_is_loaded_or_refused(data, good_shards, tmp_path_factory):
     d = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
     with open(os.path.join(d, "toy_val_000000.npy"), "wb") as f:
         f.write(data)
-    loader = accepted_or_user_error(train_gpt2.TokenLoader, d, "val", 2, 16, 0, 1, 64)
+    loader = accepted_or_user_error(data.TokenLoader, d, "val", 2, 16, 0, 1, 64)
     if loader is not None:
         for _ in range(3):
             if accepted_or_user_error(loader.next_batch) is None:

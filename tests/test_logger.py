@@ -77,7 +77,7 @@ def test_wandb_calls(data_dir, tmp_path, monkeypatch):
     assert main(tiny_args(data_dir, out, max_steps=4, wandb_project="gpt2", wandb_run_name="tiny")) == 0
     (_, init), *logs, finish = calls
     assert init["project"] == "gpt2" and init["name"] == "tiny" and init["dir"] == out
-    assert init["config"] == json.load(open(os.path.join(out, "config.json")))  # the resolved config
+    assert init["config"] == json.load(open(os.path.join(out, "config.json")))["resolved"]  # the resolved config
     assert finish == ("finish",)  # once, at the end
     steps = [c[1] for c in logs]
     assert steps == sorted(steps)  # W&B drops a step lower than the last one

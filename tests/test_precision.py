@@ -1,6 +1,7 @@
 """precision.py: the plan per GPU generation, user overrides, the arch check, the one autocast context,
 static-shape compile with an eager fallback, and the sm7x micro-batch fit."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ import torch
 import precision
 from fileio import UserError
 from model import GPT, GPTConfig, PRETRAINED
-from precision import (arch_supported, autocast, compile_model, default_plan, estimate_mfu, fit_micro_batch,
-                       make_plan, param_counts, peak_flops, training_bytes_estimate)
+from memory import fit_micro_batch, param_counts, training_bytes_estimate
+from precision import (arch_supported, autocast, compile_model, compiles, default_plan, estimate_mfu, make_plan,
+                       peak_flops)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -41,9 +43,10 @@ def test_cpu_and_mps_plans_are_plain_fp32(device):
 # user overrides on top of the plan
 
 
-def fake_gpu(monkeypatch, cap, name="NVIDIA Test GPU"):
+def fake_gpu(monkeypatch, cap, name="NVIDIA Test GPU", memory=80 * 2**30):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=memory))
 
 
 @pytest.mark.parametrize("device,cap,prec,dtype,scaler", [
@@ -61,7 +64,7 @@ def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler):
         fake_gpu(monkeypatch, cap)
     plan = make_plan(device, prec)
     assert (plan.dtype, plan.grad_scaler) == (dtype, scaler)
-    assert plan.tf32 == default_plan(device, cap).tf32 and plan.capability == cap
+    assert plan.tf32 == (cap is not None and cap[0] >= 8) and plan.capability == cap  # TF32: sm80+ only
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1), (6, 0)])
@@ -281,13 +284,74 @@ def test_compile_failure_falls_back_to_eager():
     def broken_backend(gm, example_inputs):
         raise RuntimeError("Triton only supports devices of CUDA capability >= 7.5")
 
-    def probe(model):
-        x = torch.zeros(2, 8, dtype=torch.long)
-        model(x, x)[1].backward()
+    warnings = []
+    assert not compiles(compile_model(raw, plan, backend=broken_backend), 2, 8, plan, warn=warnings.append)
+    assert len(warnings) == 1
+    assert "torch.compile failed" in warnings[0] and "capability >= 7.5" in warnings[0] and "\n" not in warnings[0]
+    assert all(p.grad is None for p in raw.parameters())  # the probe leaves no gradients
+    assert compile_model(raw, dataclasses.replace(plan, compile=False)) is raw  # off: never compiled
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered")])
+def test_compile_probe_raises_out_of_memory_and_cuda_errors(error):
+    """Running out of memory or a broken GPU is not a compiler problem: no silent fallback to eager."""
+    torch._dynamo.reset()
+    plan = dataclasses.replace(make_plan("cpu"), compile=True)
+    raw = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+
+    def failing_backend(gm, example_inputs):
+        raise error
 
     warnings = []
-    model = compile_model(raw, plan, probe, backend=broken_backend, warn=warnings.append)
-    assert model is raw and len(warnings) == 1
-    assert "torch.compile failed" in warnings[0] and "capability >= 7.5" in warnings[0] and "\n" not in warnings[0]
-    assert compile_model(raw, dataclasses.replace(plan, compile=False), probe) is raw  # off: never compiled
+    with pytest.raises(type(error), match="out of memory|CUDA error"):
+        compiles(compile_model(raw, plan, backend=failing_backend), 2, 8, plan, warn=warnings.append)
+    assert warnings == []
     torch._dynamo.reset()
+
+
+def test_compile_probe_graph_serves_the_first_training_step():
+    """The probe's inputs are not its targets (as in training), so the first real step reuses its graph:
+    one forward graph for the training shape, none compiled again by the step."""
+    torch._dynamo.reset()
+    plan = dataclasses.replace(make_plan("cpu"), compile=True)
+    raw = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    counter = Recorder()
+    model = compile_model(raw, plan, backend=counter)
+    assert compiles(model, 4, 16, plan)
+    after_probe = len(counter.graphs)
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    for _ in range(2):
+        with autocast(plan):
+            model(x, y)[1].backward()
+    assert after_probe >= 1 and len(counter.graphs) == after_probe  # no recompile for the real steps
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("emulate,dtype,scaler,backends,fit,compiled,memory", [
+    ("sm75", FP16, True, ("efficient", "math"), True, True, 15 * 2**30),  # a T4's plan and memory on an H100
+    ("sm60", FP16, True, ("efficient", "math"), False, False, 16 * 2**30),  # P100: no Triton
+    ("sm80", BF16, False, ("flash", "efficient", "math"), False, True, 40 * 2**30),
+])
+def test_another_generations_plan_on_the_gpu_at_hand(monkeypatch, emulate, dtype, scaler, backends, fit, compiled, memory):
+    fake_gpu(monkeypatch, (9, 0), name="NVIDIA H100 80GB HBM3")
+    plan = make_plan("cuda:0", emulate=emulate)
+    assert (plan.dtype, plan.grad_scaler, plan.sdpa_backends, plan.fit_to_memory, plan.compile) == \
+        (dtype, scaler, backends, fit, compiled)
+    assert plan.memory == memory and plan.emulated == emulate and plan.device_name == "NVIDIA H100 80GB HBM3"
+    assert f"emulating {emulate}" in plan.describe()
+    with pytest.raises(UserError, match="plan must be auto or one of"):
+        make_plan("cuda:0", emulate="sm99")
+
+
+def test_emulated_plan_needs_a_gpu():
+    with pytest.raises(UserError, match="plan=sm75 runs another GPU generation's plan on a CUDA GPU"):
+        make_plan("cpu", emulate="sm75")
+
+
+def test_old_torch_is_one_line():
+    from precision import check_torch
+    check_torch("2.6.0")
+    with pytest.raises(UserError, match=r"torch 2.5.1\+cu124 is too old: this trainer needs torch >= 2.6"):
+        check_torch("2.5.1+cu124")

@@ -17,10 +17,12 @@ import time
 import pytest
 import torch
 
+import precision
 import train_gpt2
-from precision import make_plan
 from test_train import load_ckpt, tiny_args, tiny_model
-from train_gpt2 import Guard, TokenLoader, accumulate_gradients, main, optimizer_step
+from data import TokenLoader
+from precision import accumulate_gradients, make_plan, optimizer_step
+from train_gpt2 import Guard, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -206,14 +208,14 @@ def test_torchrun_ctrl_c(data_dir, tmp_path):
 
 def signal_at(monkeypatch, calls):
     """Send this process SIGINT during the accumulate_gradients calls numbered in calls (0-based)."""
-    real, n = train_gpt2.accumulate_gradients, [0]
+    real, n = precision.accumulate_gradients, [0]
 
     def wrapped(*a, **k):
         if n[0] in calls:
             os.kill(os.getpid(), signal.SIGINT)
         n[0] += 1
         return real(*a, **k)
-    monkeypatch.setattr(train_gpt2, "accumulate_gradients", wrapped)
+    monkeypatch.setattr(precision, "accumulate_gradients", wrapped)
 
 
 def test_second_signal_while_saving_leaves_no_broken_file(data_dir, tmp_path, monkeypatch, capsys):
@@ -380,7 +382,7 @@ def test_absurd_learning_rate_stops_with_one_line(data_dir, tmp_path, capsys):
 
 def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, capsys):
     """Weights gone to inf (here: set so during step 3) are never saved: the next checkpoint stops the run."""
-    real, calls = train_gpt2.accumulate_gradients, []
+    real, calls = precision.accumulate_gradients, []
 
     def poisoned(model, loader, *a, **k):
         calls.append(1)
@@ -388,7 +390,7 @@ def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, 
             with torch.no_grad():
                 next(model.parameters())[0, 0] = float("inf")
         return real(model, loader, *a, **k)
-    monkeypatch.setattr(train_gpt2, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(precision, "accumulate_gradients", poisoned)
     out = str(tmp_path / "inf")
     assert main(args(data_dir, out, max_steps=8, checkpoint_interval=1, keep_last=0)) == 3
     err = capsys.readouterr().err
@@ -420,16 +422,16 @@ def test_outlier_step_is_skipped(prec, data_dir):
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     loader = TokenLoader(data_dir, "train", 2, 16)
     before = copy.deepcopy(model.state_dict())
-    loss = accumulate_gradients(model, loader, 1, "cpu", plan, scaler, ddp=False)
+    loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
     seen = []
-    applied = optimizer_step(model, optimizer, scaler, 1.0, 1e-3, loss, lambda l, n: seen.append((l, n)) or True).applied
+    applied = optimizer_step([optimizer], scaler, list(model.parameters()), 1.0, 1.0, loss, lambda l, n: seen.append((l, n)) or True).applied
     assert not applied and len(seen) == 1 and seen[0][1] > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     if plan.grad_scaler:
         assert scaler.get_scale() == 65536.0  # an outlier is not an overflow: the loss scale stays
-    loss = accumulate_gradients(model, loader, 1, "cpu", plan, scaler, ddp=False)
-    assert optimizer_step(model, optimizer, scaler, 1.0, 1e-3, loss, lambda l, n: False).applied
+    loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
+    assert optimizer_step([optimizer], scaler, list(model.parameters()), 1.0, 1.0, loss, lambda l, n: False).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -437,7 +439,7 @@ def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):
     """A gradient spike at step 6 (gradients x 1000) is skipped when skip_outliers_z is set: the
     weights after step 6 are those before it, and the guard's history is in the checkpoint."""
     monkeypatch.setattr(train_gpt2, "OUTLIER_WINDOW", 4)
-    real, n = train_gpt2.accumulate_gradients, [0]
+    real, n = precision.accumulate_gradients, [0]
 
     def spiky(model, *a, **k):
         loss = real(model, *a, **k)
@@ -446,7 +448,7 @@ def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):
                 p.grad *= 1000
         n[0] += 1
         return loss
-    monkeypatch.setattr(train_gpt2, "accumulate_gradients", spiky)
+    monkeypatch.setattr(precision, "accumulate_gradients", spiky)
     out = str(tmp_path / "spike")
     assert main(args(data_dir, out, max_steps=7, checkpoint_interval=6, keep_last=0, skip_outliers_z=50.0)) == 0
     log = [r for r in rows(out) if "loss" in r]

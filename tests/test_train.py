@@ -1,6 +1,7 @@
 """train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
 bit-exact resume, configs, and the one-line errors. Tiny models (1 layer, 32 wide, 64-token vocab)."""
 import copy
+import dataclasses
 import errno
 import json
 import math
@@ -16,8 +17,9 @@ import torch
 import train_gpt2
 from model import GPT, GPTConfig
 from data import TokenLoader
-from precision import make_plan
-from train_gpt2 import Config, accumulate_gradients, get_lr, main, optimizer_step, parse_args
+import checkpoint
+from precision import accumulate_gradients, make_plan, optimizer_step
+from train_gpt2 import Config, get_lr, main, parse_args
 
 CPU = make_plan("cpu")
 
@@ -79,7 +81,7 @@ def test_run_outputs(straight_run, capsys):
     vals = [e["val_loss"] for e in log if "val_loss" in e]
     assert vals[-1] < vals[0] - 0.25  # the toy stream is learnable: training works (8 steps, shuffled rows)
     assert steps[0]["lr"] == pytest.approx(1e-2 / 2)
-    cfg = json.load(open(os.path.join(straight_run, "config.json")))
+    cfg = json.load(open(os.path.join(straight_run, "config.json")))["resolved"]
     assert cfg["n_layer"] == 1 and cfg["precision"] == "fp32" and cfg["device"] == "cpu"
     ckpt = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt"))  # weights_only=True must work
     assert {"model", "model_args", "optimizer", "scaler", "step", "config", "loader", "rng"} <= set(ckpt)
@@ -152,8 +154,8 @@ def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", dying_save)
     loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
     with pytest.raises(OSError, match="No space left"):
-        train_gpt2.save_checkpoint(path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 9,
-                                   Config(), loader, "cpu")
+        checkpoint.save_checkpoint(path, model, [optimizer], torch.amp.GradScaler("cpu", enabled=False), 9,
+                                   dataclasses.asdict(Config()), loader, "cpu")
     monkeypatch.undo()
     assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone
@@ -165,7 +167,7 @@ def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
     data = open(good, "rb").read()
     open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
     warnings = []
-    assert train_gpt2.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
+    assert checkpoint.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
     assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
 
 # -----------------------------------------------------------------------------
@@ -180,8 +182,8 @@ def tiny_model(seed=0):
 def test_accumulated_gradients_equal_one_big_batch(data_dir):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     small, big = tiny_model(), tiny_model()
-    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, "cpu", CPU, scaler, ddp=False)
-    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, "cpu", CPU, scaler, ddp=False)
+    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, CPU, scaler, ddp=False)
+    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, CPU, scaler, ddp=False)
     for (name, p), q in zip(small.named_parameters(), big.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
 
@@ -194,7 +196,7 @@ def test_next_micro_batch_is_read_before_the_backward(data_dir):
     loader = TokenLoader(data_dir, "train", 2, 16)
     read = loader.next_batch
     loader.next_batch = lambda device="cpu": events.append("read") or read(device)
-    accumulate_gradients(model, loader, 3, "cpu", CPU, torch.amp.GradScaler("cpu", enabled=False), ddp=False)
+    accumulate_gradients(model, loader, 3, CPU, torch.amp.GradScaler("cpu", enabled=False), ddp=False)
     assert events == ["read", "read", "backward", "read", "backward", "backward"]
 
 
@@ -212,7 +214,7 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1e-3, lr=1e-3, loss=torch.tensor(1.0))
+    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1e-3, lr_scale=1.0, loss=torch.tensor(1.0))
     assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
@@ -225,14 +227,14 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0))
+    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0))
     assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert scaler.get_scale() == 32768.0  # backed off
     assert all(p.grad is None for p in model.parameters())
     fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=torch.tensor(1.0)).applied
+    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0)).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -243,18 +245,18 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     model = tiny_model()
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
-    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, "cpu", plan, scaler, ddp=False)
+    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
     if where == "grad":
         model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
     else:
         loss = loss * float("inf")
     before = copy.deepcopy(model.state_dict())
-    loss, norm, applied, _ = optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss)
+    loss, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss)
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
-    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, "cpu", plan, scaler, ddp=False)
-    assert optimizer_step(model, optimizer, scaler, grad_clip=1.0, lr=1e-3, loss=loss).applied  # the next step goes on
+    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
+    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss).applied  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -297,7 +299,8 @@ def test_config_file_then_override(tmp_path):
     path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
     cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
     assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
-    assert isinstance(cfg.max_lr, float) and given == {"n_layer", "max_lr", "seq_len", "resume", "min_lr"}
+    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": "file", "seq_len": "file",
+                                                       "resume": "cli", "min_lr": "cli"}
 
 # -----------------------------------------------------------------------------
 # bad input: one line on stderr, exit code != 0
@@ -418,7 +421,7 @@ def test_own_text_in_one_command(tmp_path, capsys):
     assert main(args) == 0
     assert "data: tokenizing 1 file(s)" in capsys.readouterr().out
     with open(os.path.join(out, "config.json")) as f:
-        data_dir = json.load(f)["data_dir"]
+        data_dir = json.load(f)["resolved"]["data_dir"]
     assert data_dir.startswith(str(tmp_path / "runs" / "data_cache" / "my_book.txt-"))
     assert any(f.endswith(".npy") for f in os.listdir(data_dir))
     again = [a for a in args if not a.startswith("--out_dir=")] + [f"--out_dir={out}_again", "--max_steps=1"]
@@ -434,7 +437,7 @@ def test_auto_micro_batch_falls_back_on_cpu_and_memory_line(data_dir, tmp_path, 
     printed = capsys.readouterr().out
     assert "micro_batch_size=auto needs CUDA; on cpu using the default micro_batch 64" in printed
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["micro_batch_size"] == 64
+        assert json.load(f)["resolved"]["micro_batch_size"] == 64
     line = next(l for l in printed.splitlines() if l.startswith("memory: "))
     n = sum(p.numel() for p in GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).parameters())
     assert f"params {n * 4 / 2**10:.1f} KiB" in line and f"grads {n * 4 / 2**10:.1f} KiB" in line
@@ -458,6 +461,6 @@ def test_compiled_run_matches_eager(data_dir, tmp_path):
     finally:
         torch._dynamo.reset()
     with open(os.path.join(compiled, "config.json")) as f:
-        assert json.load(f)["compile"] == "true"  # it did compile: no fallback to eager
+        assert json.load(f)["resolved"]["compile"] == "true"  # it did compile: no fallback to eager
     a, b = step_losses(eager), step_losses(compiled)
     assert sorted(a) == sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (a, b)

@@ -48,11 +48,11 @@ for name in ("item", "tolist"):  # every read of a tensor's values into Python b
         reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) == {root!r}
         return _orig(self, *a, **k)
     setattr(torch.Tensor, name, counted)
-accumulate = train_gpt2.accumulate_gradients
+accumulate = precision.accumulate_gradients
 def marked(*a, **k):  # called once per optimizer step, at its start
     marks.append(reads[0])
     return accumulate(*a, **k)
-train_gpt2.accumulate_gradients = marked
+precision.accumulate_gradients = marked
 code = train_gpt2.main(sys.argv[1:])
 with open(os.path.join({out!r}, "reads_" + os.environ["RANK"] + ".json"), "w") as f:
     json.dump([b - a for a, b in zip(marks, marks[1:])], f)

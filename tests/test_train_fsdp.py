@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import memory
 import precision
 from model import GPT, GPTConfig
 from sharding import load_optimizer_state
@@ -95,7 +96,7 @@ def test_fsdp_two_ranks_match_one_process(runs):
     assert '"fsdp": true' in out
     model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
     shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in model.parameters())  # rank 0's rows of each, fp32
-    assert f"memory: per rank (FSDP over 2): params {precision.fmt_bytes(shard)}, grads {precision.fmt_bytes(shard)}, " in out
+    assert f"memory: per rank (FSDP over 2): params {memory.fmt_bytes(shard)}, grads {memory.fmt_bytes(shard)}, " in out
     assert_same_run(one, fsdp, [0, 1, 2, 3])
     val_a = [e["val_loss"] for e in read_log(one) if "val_loss" in e]
     val_b = [e["val_loss"] for e in read_log(fsdp) if "val_loss" in e]
