@@ -2,9 +2,10 @@
 with eager, HellaSwag agrees with the CPU, the micro-batch finder's choice runs, resume continues the
 run, and torchrun (NCCL) equals one process.
 
-    python -m pytest -q tests/test_cuda.py      # on a machine with an NVIDIA GPU
+    python3 -m pytest -q tests/test_cuda.py     # on a machine with an NVIDIA GPU
 """
 import dataclasses
+import math
 import os
 import shutil
 
@@ -16,22 +17,26 @@ if not torch.cuda.is_available():
 
 import bench  # noqa: E402
 import hellaswag  # noqa: E402
+import memory  # noqa: E402
+import optim  # noqa: E402
 import precision  # noqa: E402
+from data import TokenLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from test_hellaswag import make_rows, write_rows  # noqa: E402
 from test_train import load_ckpt, step_losses, tiny_args, write_shards  # noqa: E402
-from train_gpt2 import accumulate_gradients, main, optimizer_step  # noqa: E402
+from train_gpt2 import main  # noqa: E402
 
 CAP = torch.cuda.get_device_capability(0)
 SMALL = GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
 
 
 def runnable_plans():
-    """(name, plan) for each plan this GPU runs: its own default, fp16 with the sm7x kernels, fp32."""
-    auto = precision.make_plan("cuda:0")
-    plans = [("auto", auto),
-             ("fp16-sm7x", dataclasses.replace(precision.make_plan("cuda:0", "fp16"), sdpa_backends=("efficient", "math"))),
-             ("fp32", precision.make_plan("cuda:0", "fp32"))]
+    """(name, plan) for each plan this GPU runs: its own, an A100's (sm80+ GPUs: bf16, flash), a T4's (fp16 +
+    GradScaler, memory-efficient attention) and fp32; eager (compile is tested below)."""
+    plans = [("auto", precision.make_plan("cuda:0"))]
+    if CAP >= (8, 0):
+        plans.append(("sm80", precision.make_plan("cuda:0", emulate="sm80")))
+    plans += [("sm75", precision.make_plan("cuda:0", emulate="sm75")), ("fp32", precision.make_plan("cuda:0", "fp32"))]
     return [(n, dataclasses.replace(p, compile=False)) for n, p in plans]
 
 
@@ -46,13 +51,13 @@ def counting_batch(B, T, vocab=64, seed=0):
 def test_each_plan_trains(name, plan):
     torch.manual_seed(0)
     model = GPT(SMALL).cuda()
-    optimizer = model.configure_optimizers(0.0, 3e-3, "cuda", verbose=False)
-    scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
+    optimizers = optim.build_optimizers(model, lr=3e-3, weight_decay=0.0, device_type="cuda", verbose=False)
+    scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
     precision.set_tf32(plan.tf32)
     losses = []
     for step in range(20):
         x, y = counting_batch(8, 64, seed=step)
-        losses.append(precision.train_step(model, optimizer, scaler, x, y, plan).item())
+        losses.append(precision.train_step(model, optimizers, scaler, x, y, plan).loss)  # the trainer's step
     precision.set_tf32(False)
     assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
     assert losses[-1] < losses[0] - 1.0, (name, losses)
@@ -105,62 +110,52 @@ def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
     torch._dynamo.reset()
 
 
-class CpuBatches:
-    """The loader's contract as the trainer uses it: next_batch(device) -> (B, T) inputs and targets there,
-    built on the host as data.TokenLoader does (one pinned buffer, one non-blocking copy)."""
-
-    def __init__(self, B, T):
-        self.B, self.T, self.n = B, T, 0
-
-    def next_batch(self, device):
-        self.n += 1
-        x, y = counting_batch(self.B, self.T, seed=self.n)
-        buf = torch.cat([x.cpu(), y.cpu()[:, -1:]], dim=1).pin_memory().to(device, non_blocking=True)  # (B, T+1)
-        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
-
-
 def test_count_syncs_sees_item():
     assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum().item()) == 1
     assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum()) == 0
 
 
-@pytest.mark.parametrize("precision_name", ["auto", "fp16"])
-def test_trainer_step_syncs_the_host_at_most_once(precision_name):
-    """The trainer's step (2 micro-steps, clip, fused AdamW, fp16's GradScaler) reads loss and norm in one
-    transfer and waits for the GPU nowhere else."""
+@pytest.mark.parametrize("precision_name,optimizer", [("auto", "adamw"), ("fp16", "adamw"), ("auto", "muon")])
+def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, data_dir):
+    """The trainer's step (2 micro-steps, clip, fused AdamW (+ Muon), fp16's GradScaler) reads loss and norm
+    in one transfer and waits for the GPU nowhere else. The batches come from the trainer's own loader (rows
+    gathered on the host, one pinned buffer, one non-blocking copy), so its syncs would count too."""
     plan = precision.make_plan("cuda:0", precision_name)
     torch.manual_seed(0)
     model = GPT(SMALL).cuda()
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)  # fused on CUDA, as in training
+    optimizers = optim.build_optimizers(model, optimizer, lr=1e-3, weight_decay=0.1, device_type="cuda",
+                                        ns_dtype=optim.ns_dtype_for(plan.dtype, "cuda"), verbose=False)  # fused AdamW
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
-    loader = CpuBatches(4, 64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loader = TokenLoader(data_dir, "train", 4, 64, vocab_size=SMALL.vocab_size)  # the toy shards: vocab 64
 
     def step():
-        loss = accumulate_gradients(model, loader, 2, "cuda:0", plan, scaler, False)
-        return optimizer_step(model, optimizer, scaler, 1.0, 1e-3, loss)
+        loss = precision.accumulate_gradients(model, loader, 2, plan, scaler)
+        return precision.optimizer_step(optimizers, scaler, params, 1.0, 1.0, loss)
 
     step()  # the first step creates the optimizer state and the loss scale
     assert bench.count_syncs(step) <= 1
 
 
-def test_finder_times_the_compiled_model_and_its_choice_runs():
+def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
     plan = precision.make_plan("cuda:0")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)).cuda()
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)
+    optimizers = optim.build_optimizers(model, lr=1e-3, weight_decay=0.1, device_type="cuda", verbose=False)
     compiled_at = []
 
-    def compile(m, b):
+    def compiles(step_model, b, seq_len, plan, warn=print):
         compiled_at.append(b)
-        return precision.compile_model(m, plan, precision.compile_probe(b, 256, plan))
-    b, reason, timed = precision.auto_micro_batch(model, optimizer, 256, 256 * 64, 1, "cuda:0", plan, default=8,
-                                                  max_micro_batch=64, compile=compile)
+        return precision.compiles(step_model, b, seq_len, plan, warn)
+    monkeypatch.setattr(memory, "compiles", compiles)  # the finder's own name for precision.compiles
+    b, reason, timed = memory.auto_micro_batch(model, optimizers, 256, 256 * 64, 1, "cuda:0", plan, default=8,
+                                               max_micro_batch=64)
     assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
     assert len(compiled_at) == 1 and compiled_at[0] >= b, (compiled_at, reason)  # once, at the largest size timed
     assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason
-    x, y = precision.random_batch(b, 256, "cuda:0")
-    scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
-    assert torch.isfinite(precision.train_step(timed, optimizer, scaler, x, y, plan))
+    x, y = memory.random_batch(b, 256, "cuda:0")
+    scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
+    assert math.isfinite(precision.train_step(timed, optimizers, scaler, x, y, plan).loss)
     torch._dynamo.reset()
 
 
@@ -191,7 +186,8 @@ def test_torchrun_on_one_gpu_equals_one_process(tmp_path):
     assert main(tiny_args(data, plain, **args)) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
            *tiny_args(data, launched, **args)]
-    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+    env = torchrun_env(NCCL_SOCKET_IFNAME="lo")  # NCCL's bootstrap on the loopback too: a machine with no network
+    with Launched([cmd], tmp_path, env=env) as run:
         assert run.wait(timeout=300) == [0], run.logs()
     a, b = step_losses(plain), step_losses(launched)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
