@@ -16,6 +16,7 @@ Also here: the AdamW setup (configure_optimizers) and FLOPs per token (precision
 From the command line:
 
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
+    python model.py --help                           # the usage
     python model.py export out/ckpt_019073.pt out/hf # a Hugging Face directory, tokenizer included
 
 The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
@@ -54,7 +55,7 @@ class GPTConfig:
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
     loss_impl: str = "chunked"  # with targets: "chunked" (loss only, no (B, T, V) logits) or "full" (logits too)
     activation_checkpointing: str = "none"  # "none", "blocks" (all) or "every_other" (blocks 0, 2, 4, ...)
-    ce_chunk_rows: int = 1024  # chunked loss: rows of logits at a time (1024 x 50304 fp32 = 197 MiB)
+    ce_chunk_rows: int = 1024  # chunked loss: rows of logits at a time (1024 x 50304 fp32 = 197 MiB); loss_chunk_rows
 
 
 # the four OpenAI checkpoints
@@ -368,11 +369,53 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 
 # -----------------------------------------------------------------------------
 # chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
+#
+# Kept out of torch.compile (torch.compiler.disable, one graph break): traced, its chunk loop unrolled
+# into the graph, and inductor's compile time grew with the chunk count (tiny model, CPU, 64x1024:
+# 28.8 s at 1 chunk, 110.8 s at 64). Eager, it is a few large matmuls that inductor would not speed up.
+# Not a torch.library custom op (one graph, but a dispatch mode such as bench.LiveTensors no longer
+# sees its temporaries); not F.linear_cross_entropy (torch 2.13 has it, older supported ones do not;
+# it too runs eager under compile).
 
+
+def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
+    """Bytes one chunk of the chunked loss holds at once: its (rows, V) fp32 logits/probabilities
+    plus their copy in the compute dtype (none in fp32): the bf16 logits, then the bf16 dL/dlogits."""
+    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
+    return chunk_rows * vocab_size * (4 + cast)
+
+
+FP16_CHUNK_ROWS = 1024  # fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
+
+
+def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32):
+    """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64 rows each
+    (tensor-core shapes) when the budget allows 64, of at most budget_bytes each (loss_chunk_bytes);
+    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer."""
+    cap = GPTConfig.ce_chunk_rows if budget_bytes is None else budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
+    cap = max(1, min(cap, FP16_CHUNK_ROWS if dtype == torch.float16 else cap))
+    if n_rows <= cap:
+        return n_rows  # one chunk
+    align = 64 if cap >= 64 else 1
+    cap -= cap % align
+    n_chunks = -(-n_rows // cap)
+    return -(-n_rows // (n_chunks * align)) * align  # ceil(n_rows / n_chunks), rounded up to align: still <= cap
+
+
+def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32):
+    """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh and
+    dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit dtype
+    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_); an (N, C) fp32."""
+    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
+    chunk = loss_chunk_bytes(min(chunk_rows, n_rows), vocab_size, dtype)
+    return chunk + 2 * cast * vocab_size * n_embd + n_rows * n_embd * 4
+
+
+@torch.compiler.disable
 def chunked_cross_entropy(h, weight, targets, chunk_rows=1024):
     """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (N, C), weight (V, C), targets (N,),
-    chunk_rows rows of logits at a time. The matmul runs in the autocast dtype (else weight's), the
-    softmax in fp32, as autocast would run the unchunked version."""
+    chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run in the autocast dtype
+    (else weight's), the softmax in fp32, as autocast would run the unchunked version."""
     device_type = h.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
@@ -381,13 +424,16 @@ def chunked_cross_entropy(h, weight, targets, chunk_rows=1024):
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
-    logits give softmax - one_hot, turned at once into that chunk's rows of dL/dh and its share of
-    dL/dweight (divided by n_valid in fp32); backward only scales them by the incoming gradient (1/grad_accum, the loss
-    scale). No second lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and
-    dL/dweight (V, C, fp32) instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
+    logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into that chunk's
+    rows of dL/dh and added into one fp32 dL/dweight; both are divided by n_valid once, at the end.
+    backward only scales them by the incoming gradient (1/grad_accum, the loss scale). No second
+    lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and dL/dweight (V, C, fp32)
+    instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad):
+        N = h.size(0)
+        rows = min(chunk_rows, FP16_CHUNK_ROWS) if dtype == torch.float16 else chunk_rows
         with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
             w = weight.to(dtype)  # (V, C)
             valid = targets != -1  # (N,)
@@ -395,9 +441,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(h) if need_grad else None  # (N, C)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-            for i in range(0, h.size(0), chunk_rows):
-                hc, keep = h[i:i + chunk_rows].to(dtype), valid[i:i + chunk_rows]  # (n, C), (n,)
-                tgt = targets[i:i + chunk_rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
+            for i in range(0, N, rows):
+                hc, keep = h[i:i + rows].to(dtype), valid[i:i + rows]  # (n, C), (n,)
+                tgt = targets[i:i + rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
                 logits = (hc @ w.t()).float()  # (n, V)
                 target_logit = logits.gather(1, tgt)  # (n, 1)
                 top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
@@ -405,12 +451,24 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
                 loss += ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
                 if need_grad:  # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it
-                    probs = exp.mul_(keep[:, None] / total)  # would flush small probabilities to 0 (64K rows)
-                    probs.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
-                    dlogits = probs.to(dtype)  # (n, V) n_valid * dL/dlogits
-                    grad_h[i:i + chunk_rows] = (dlogits @ w).float().div_(n_valid).to(h.dtype)  # (n, C)
-                    grad_w += (dlogits.t() @ hc).float().div_(n_valid)  # (V, C)
+                    exp.mul_(keep[:, None] / total)  # would flush small probabilities to 0 (64K rows)
+                    exp.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
+                    dlogits = exp.to(dtype)  # (n, V) n_valid * dL/dlogits, in the compute dtype
+                    del logits, exp  # the fp32 chunk goes before the next one comes
+                    if dtype == h.dtype:
+                        torch.mm(dlogits, w, out=grad_h[i:i + rows])  # (n, C)
+                    else:
+                        grad_h[i:i + rows] = dlogits @ w  # (n, C)
+                    if dtype == torch.float32:
+                        grad_w.addmm_(dlogits.t(), hc)  # (V, C), accumulated inside the matmul
+                    else:
+                        grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
+                    del dlogits
+                else:
+                    del logits, exp
             if need_grad:
+                grad_h.div_(n_valid)
+                grad_w.div_(n_valid)
                 ctx.save_for_backward(grad_h, grad_w)
             ctx.weight_dtype = weight.dtype
         return loss / n_valid
@@ -476,9 +534,18 @@ def print_sizes():
 
 
 USAGE = "usage: python model.py [sizes] | python model.py export CKPT_OR_HF_DIR_OR_GPT2_NAME OUT_DIR"
+HELP = f"""{USAGE}
+
+  sizes (the default)  parameter count and GFLOPs per token of each GPT-2 size
+  export SRC OUT_DIR   a Hugging Face directory (weights and GPT-2's tokenizer) from SRC: a ckpt_*.pt,
+                       a save_pretrained directory or a GPT-2 name; it loads offline with
+                       AutoTokenizer, AutoModelForCausalLM and pipeline("text-generation")"""
 
 
 def main(argv):
+    if argv and argv[0] in ("-h", "--help"):
+        print(HELP)
+        return 0
     if argv in ([], ["sizes"]):
         print_sizes()
         return 0

@@ -7,7 +7,9 @@ from transformers import GPT2LMHeadModel
 
 from conftest import make_hf_gpt2
 from fileio import UserError
-from model import GPT, GPTConfig, chunked_cross_entropy, flops_per_token
+import model as model_py
+from model import (GPT, GPTConfig, chunked_cross_entropy, flops_per_token, loss_chunk_bytes, loss_chunk_rows,
+                   loss_head_temp_bytes)
 
 
 def hf_logits(path, idx):
@@ -222,7 +224,7 @@ def ce_inputs(N=37, C=16, V=101, seed=0):
     return h, w, targets
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 8, 37, 1000])
+@pytest.mark.parametrize("chunk_rows", [1, 8, 12, 37, 64, 1000])
 def test_chunked_cross_entropy_equals_f_cross_entropy_fp32(chunk_rows):
     h, w, targets = ce_inputs()
     ours = chunked_cross_entropy(h, w, targets, chunk_rows=chunk_rows)
@@ -302,3 +304,123 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-7, msg=name)
     with torch.no_grad():
         assert not any(ckpt.checkpointed(i) for i in range(3))  # nothing to recompute without gradients
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_is_exact_at_the_chunk_sizes_loss_chunk_rows_picks(dtype):
+    """Every chunk size the budget can give (one chunk, equal chunks, a ragged last one): the same loss and
+    gradients as F.cross_entropy of the whole logits, fp32 tight, bf16 autocast to bf16 rounding."""
+    h, w, targets = ce_inputs(N=200, C=16, V=301)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    for budget in (None, 1, loss_chunk_bytes(70, 301, dtype), loss_chunk_bytes(200, 301, dtype), 10**12):
+        rows = loss_chunk_rows(200, 301, budget, dtype)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.bfloat16):
+            ours = chunked_cross_entropy(h, w, targets, chunk_rows=rows)
+        g_ours = torch.autograd.grad(ours, (h, w))
+        tight = dtype == torch.float32
+        torch.testing.assert_close(ours, ref, **({} if tight else dict(rtol=1e-3, atol=1e-3)))
+        for a, b in zip(g_ours, g_ref):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, **({} if tight else dict(rtol=2e-2, atol=2e-3 * b.abs().max().item())))
+
+
+def test_loss_chunk_rows_fits_the_budget_in_few_equal_chunks():
+    V, N = 50304, 64 * 1024
+    assert loss_chunk_rows(N, V) == 1024  # no budget: 64 chunks of 1024 rows, as before
+    assert loss_chunk_bytes(1024, V) == 1024 * V * 4 and loss_chunk_bytes(1024, V, torch.bfloat16) == 1024 * V * 6
+    assert loss_chunk_rows(N, V, 10**12, torch.bfloat16) == N  # a big GPU: one chunk
+    assert loss_chunk_rows(100, V) == 100 and loss_chunk_rows(100, V, 1) == 1  # never more rows than exist, at least 1
+    for budget in (2**30, 4 * 2**30, 3 * 10**9, 123456789):
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = loss_chunk_rows(N, V, budget, dtype)
+            chunks = -(-N // rows)
+            assert loss_chunk_bytes(rows, V, dtype) <= budget  # fits
+            fewer = -(-N // (chunks - 1) // 64) * 64  # equal aligned rows for one chunk fewer: would not fit
+            assert loss_chunk_bytes(fewer, V, dtype) > budget or chunks == 1
+            assert rows % 64 == 0 and N - (chunks - 1) * rows > 0  # aligned, and no empty chunk
+    assert loss_chunk_rows(N, V, 2**30) == 5056  # 1 GiB of fp32 logits: 13 chunks
+    assert loss_chunk_rows(N, V, 2**30, torch.bfloat16) == 3456  # fp32 + bf16 per element: 19 chunks
+    assert loss_chunk_rows(N, V, 10**12, torch.float16) == 1024  # fp16: capped, the weight product must not overflow
+
+
+class PeakTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of new storages alive at once among those the ops under it create (as bench.LiveTensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs | set(self.refs):
+                s = t.untyped_storage()
+                self.refs[s.data_ptr()] = (torch.multiprocessing.reductions.StorageWeakRef(s), s.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
+        return out
+
+
+def test_loss_head_temporaries_stay_within_their_estimate():
+    """What the chunked loss allocates beyond what it keeps for backward (dL/dh, dL/dW fp32) is at most
+    loss_head_temp_bytes, counted op by op, in fp32 and bf16: one chunk of logits at a time."""
+    N, C, V = 256, 32, 3000
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (64, 100, 256):
+            h, w, targets = ce_inputs(N=N, C=C, V=V)
+            with PeakTensors() as counter:
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                    loss = chunked_cross_entropy(h, w, targets, chunk_rows=rows)
+            kept = N * C * 4 + V * C * 4
+            assert kept + loss_chunk_bytes(rows, V, dtype) <= counter.peak
+            assert counter.peak <= kept + loss_head_temp_bytes(N, V, C, rows, dtype)
+            del loss
+
+
+def test_compiled_model_is_one_graph_per_shape_and_equals_eager():
+    """The loss runs eager (torch.compiler.disable): the compiled graph holds the transformer only, whatever
+    the chunk count (3 chunks of 7 rows, or 2), and a second shape is one more graph, never more."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16, ce_chunk_rows=7))
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting_backend, dynamic=False)
+    for B in (3, 3, 2, 3):
+        idx, targets = torch.randint(0, 100, (B, 16)), torch.randint(0, 100, (B, 16))
+        targets[0, :4] = -1
+        results = []
+        for m in (compiled, model):
+            model.zero_grad(set_to_none=True)
+            _, loss = m(idx, targets)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        (loss_c, grads_c), (loss_e, grads_e) = results
+        torch.testing.assert_close(loss_c, loss_e)
+        for a, b in zip(grads_c, grads_e):
+            torch.testing.assert_close(a, b)
+    assert len(graphs) == 2  # (3, 16) and (2, 16)
+    assert all("lm_head" not in str(g.graph) or "logits" not in str(g.graph) for g in graphs)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_prints_the_usage_and_exits_0(flag, capsys):
+    assert model_py.main([flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python model.py") and "export SRC OUT_DIR" in out
+
+
+def test_help_from_the_command_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, model_py.__file__, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and not r.stderr
