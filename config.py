@@ -235,11 +235,14 @@ def oddities(cfg):
     return warnings
 
 
-def asked_and_resolved(cfg, resolved):
-    """config.json: what the user asked for and what the run resolved it to, side by side, and the keys
-    the run decided differently (device, precision, micro-batch, ...)."""
+def asked_and_resolved(cfg, given, resolved):
+    """config.json: the keys the user set, as asked (config files and flags), and the whole resolved config
+    the run used; "decided": the keys whose resolved value differs from the asked or default one (device,
+    precision, micro-batch, ...), so a user sees at a glance what the run chose."""
     asked, got = dataclasses.asdict(cfg), dataclasses.asdict(resolved)
-    return {"asked": asked, "resolved": got, "changed": sorted(k for k in asked if asked[k] != got[k])}
+    return {"asked": {k: asked[k] for k in asked if k in given}, "resolved": got,
+            "decided": sorted(k for k in asked if asked[k] != got[k])}
+
 
 # -----------------------------------------------------------------------------
 # --help
@@ -267,16 +270,17 @@ def help_text(width=None):
     meaning goes on its own indented lines, so it wraps at the terminal's width, not in a narrow column."""
     width = width or max(80, shutil.get_terminal_size().columns)
     sections, meaning = config_sections()
-    lines = ["usage: python train_gpt2.py [CONFIG_FILE ...] [--key=value ...]", "",
-             "Config files (plain Python assignments, see configs/) and --key=value overrides apply in order",
-             "to the defaults below; the resolved config is printed at start-up and saved as out_dir/config.json."]
+    lines = ["usage: python train_gpt2.py [CONFIG_FILE ...] [--key=value ...]", "", textwrap.fill(
+        "Config files (plain Python assignments, see configs/) and --key=value overrides apply in order to the "
+        "defaults below; the resolved config is printed at start-up and saved as out_dir/config.json.", width)]
     for title, names in sections:
         lines += ["", title + ":"]
         for name in names:
             f = FIELDS[name]
             kind = ("|".join(CHOICES[name]) if name in CHOICES else "int|auto" if name == "micro_batch_size"
                     else "true|false" if f.type is bool else f.type.__name__)
-            lines.append(f"  --{name}={kind}  (default: {json.dumps(f.default)})")
-            lines.append(textwrap.fill(meaning[name], width, initial_indent=" " * 6, subsequent_indent=" " * 6,
-                                       break_long_words=False, break_on_hyphens=False))
+            lines.append(f"  --{name} {kind}")
+            lines.append(textwrap.fill(f"{meaning[name]} (default: {json.dumps(f.default)})", width,
+                                       initial_indent=" " * 6, subsequent_indent=" " * 6, break_long_words=False,
+                                       break_on_hyphens=False))
     return "\n".join(lines)

@@ -11,7 +11,9 @@ Imports torch and fileio only.
 """
 import dataclasses
 import datetime
+import math
 import os
+import shlex
 import sys
 
 import torch
@@ -43,6 +45,26 @@ class DistEnv:
     @property
     def nodes(self):
         return self.world_size // self.local_world_size
+
+    def command(self, script, argv):
+        """The command line that continues this run (script with argv, --resume=true), as typed from here."""
+        args = [a for a in argv if not a.startswith("--resume=")] + ["--resume=true"]
+        launcher = [os.path.basename(sys.executable)]
+        if self.ddp:
+            launcher = ["torchrun", "--standalone" if self.nodes == 1 else f"--nnodes={self.nodes}",
+                        f"--nproc_per_node={self.local_world_size}"]
+        return shlex.join(launcher + [os.path.relpath(os.path.abspath(script))] + args)
+
+    def shutdown_grace_note(self, took):
+        """A note when a stop (the step in progress, then a save: took seconds) outlasts the grace torchrun
+        gives its workers between passing on a stop signal and SIGKILL; "" otherwise."""
+        grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
+        if not self.ddp or took <= grace:
+            return ""
+        return (f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun gives the workers "
+                f"between passing on a stop signal and SIGKILL: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
+                f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has --shutdown-timeout), "
+                f"or a stop may lose the steps since the last checkpoint")
 
 
 def init(env, device, timeout_s):

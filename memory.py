@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed import agree
 from fileio import UserError
+from model import loss_chunk_rows, loss_head_temp_bytes
 from precision import (autocast, compile_model, compiles, fsdp_param_dtype, is_oom, synchronize,  # noqa: F401
                        train_step)
 
@@ -125,8 +126,7 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     if config.loss_impl == "full":
         head = B * T * V * (8 + (a if a == 2 else 0))
     else:
-        cast = a if a == 2 else 0  # the compute-dtype copies next to the fp32 ones
-        head = min(config.ce_chunk_rows, B * T) * V * (4 + cast) + V * C * (a + cast) + B * T * C * 4
+        head = loss_head_temp_bytes(B * T, V, C, config.ce_chunk_rows, dtype)
     per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1, activation_checkpointing="none"),
                                           B, T, dtype, device_type)[0] - activation_bytes_estimate(
         dataclasses.replace(config, n_layer=0, activation_checkpointing="none"), B, T, dtype, device_type)[0]
@@ -200,6 +200,16 @@ def random_batch(micro_batch, seq_len, device, seed=1337):
 
 
 FIT_HEADROOM = 0.15  # of the GPU's memory, left out of the fit: the allocator's cache, CUDA's context
+LOSS_CHUNK_SHARE = 0.05  # of the GPU's memory for one chunk of the loss head's logits (within FIT_HEADROOM)
+
+
+def loss_chunk(plan, rows, config):
+    """Rows of logits the chunked loss head computes at a time: few large chunks where the GPU has the
+    memory (LOSS_CHUNK_SHARE of it); elsewhere the model's own ce_chunk_rows (CPU: the numbers tests and the
+    quickstart pin)."""
+    if plan.device_type != "cuda" or not plan.memory:
+        return config.ce_chunk_rows
+    return loss_chunk_rows(rows, config.vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype)
 
 
 def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer="adamw"):
@@ -433,3 +443,15 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
                         f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: "
                         f"e.g. --total_batch_size={max(1, round(total_batch_size / tokens)) * tokens}")
     return micro_batch, seq_len, why, timed
+
+
+def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
+    """One line for a run that ran out of memory (e): what ran out, at which micro-batch, and what to try.
+    device_type None: before the run was set up (the model and its optimizer state)."""
+    cpu = device_type in ("cpu", "mps") or device_type is None and not isinstance(e, torch.OutOfMemoryError)
+    what = "CPU RAM" if cpu else "GPU memory"
+    if B is None:
+        return (f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true "
+                "under torchrun, or a device with more memory")
+    return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try --micro_batch_size=auto, a smaller "
+            f"--micro_batch_size (total_batch_size stays, by more accumulation steps) or --activation_checkpointing=blocks")

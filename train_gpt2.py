@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -79,6 +78,7 @@ class Run:
     params: list  # every trained parameter once: the one clip runs over them
     scaler: object  # torch.amp.GradScaler, enabled for fp16 only (a no-op otherwise)
     train_loader: TokenLoader
+    val_loader: TokenLoader  # None when evals are off: a run without them never needs the val split to fit
     data_dir: str
     start_step: int
     evals_done_at: int  # the step whose evals the resumed checkpoint already ran (-1: none)
@@ -171,6 +171,51 @@ def load_hellaswag(cfg, env, startup):
     return hellaswag, distributed.rank0_first(load, env, startup)[:cfg.hellaswag_limit or None]
 
 
+def resume_point(cfg, given, env, device, lock, say):
+    """(out_dir, the checkpoint to continue from or None, {key: value} it fixes): out_dir taken for this
+    run (rank 0 holds its lock), the resume decision made (checkpoint.resume_overrides), every rank
+    continuing from the same step."""
+    out_dir = run_out_dir(cfg, given)
+    if env.master:
+        lock.acquire(out_dir)
+    ckpt, overrides = checkpoint.resume_overrides(out_dir, cfg, given, say)
+    if env.ddp:  # out_dir must be one folder all nodes see
+        held = float(ckpt["step"]) if ckpt is not None else -1.0
+        if agree(held, "min", device) != agree(held, "max", device):
+            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
+                            f"{'step ' + str(ckpt['step']) if ckpt is not None else 'none'}): put out_dir on a filesystem "
+                            "every node sees, or copy the newest ckpt_*.pt to every node's out_dir")
+    return out_dir, ckpt, overrides
+
+
+def place_model(cfg, ckpt, seq_len, plan, env, say):
+    """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot do)."""
+    raw_model = load_model(cfg, ckpt, verbose=env.master)
+    raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
+    if cfg.fsdp and not env.ddp:
+        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, or drop --fsdp")
+    if seq_len > raw_model.config.block_size:
+        raise UserError(f"seq_len={seq_len} is longer than block_size={raw_model.config.block_size}, the model's "
+                        "context: lower seq_len")
+    off = extras(cfg, raw_model, say)
+    raw_model.to(plan.device)
+    if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
+        from sharding import shard_model
+        shard_model(raw_model, plan.dtype, plan.device_type)
+    return raw_model, off
+
+
+def restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say):
+    """The state a checkpoint continues from: optimizers, loss scale, data position, RNG."""
+    from sharding import load_optimizer_state
+    load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
+    if ckpt["scaler"] and plan.grad_scaler:
+        scaler.load_state_dict(ckpt["scaler"])
+    train_loader.load_state_dict(ckpt["loader"])
+    checkpoint.set_rng_state(ckpt["rng"], plan.device)
+    say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
+
+
 def setup(cfg, given, env, say, lock):
     """Every decision of the run, once, in execution order. Returns the frozen Run, or None when the
     out_dir holds a finished run (nothing to do)."""
@@ -183,82 +228,57 @@ def setup(cfg, given, env, say, lock):
     where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})" if plan.capability else device
     say(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
 
-    # out_dir: one live run in it; the resume decision before anything slow (a finished run: nothing to do)
-    out_dir = run_out_dir(cfg, given)
-    if env.master:
-        lock.acquire(out_dir)
-    ckpt, overrides = checkpoint.resume_overrides(out_dir, cfg, given, say)
-    run_value = lambda key: overrides.get(key, getattr(cfg, key))  # noqa: E731 - the checkpoint's, else the config's
-    if env.ddp:  # every rank continues from the same step, or none does: out_dir must be one folder all nodes see
-        held = float(ckpt["step"]) if ckpt is not None else -1.0
-        if agree(held, "min", device) != agree(held, "max", device):
-            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
-                            f"{'step ' + str(ckpt['step']) if ckpt is not None else 'none'}): put out_dir on a filesystem "
-                            "every node sees, or copy the newest ckpt_*.pt to every node's out_dir")
+    # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
+    out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
     if finished(ckpt, cfg.max_steps):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
-    seq_len = run_value("seq_len")
+    value = lambda key: overrides.get(key, getattr(cfg, key))  # noqa: E731 - the checkpoint's, else the config's
 
-    # data: there before anything slow (rank 0 tokenizes --data or builds the quickstart corpus; the others wait)
+    # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
-        data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, seq_len,
+        data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, value("seq_len"),
                                 env.world_size * cfg.micro_batch_size, build=env.master)
         for split in ("train", "val"):
-            shard_paths(data_dir, split)  # every rank sees the shards (one line if not)
+            shard_paths(data_dir, split)  # (one line if not)
         return data_dir
     data_dir = distributed.rank0_first(prepare, env, startup)
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
-    torch.manual_seed(run_value("seed"))
-    raw_model = load_model(cfg, ckpt, verbose=env.master)
-    raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
-    if cfg.fsdp and not env.ddp:
-        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, or drop --fsdp")
-    if seq_len > raw_model.config.block_size:
-        raise UserError(f"seq_len={seq_len} is longer than block_size={raw_model.config.block_size}, the model's "
-                        "context: lower seq_len")
-    off = extras(cfg, raw_model, say)
-    raw_model.to(device)
-    if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
-        from sharding import shard_model
-        shard_model(raw_model, plan.dtype, plan.device_type)
-    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=run_value("max_lr"),
-                                        weight_decay=run_value("weight_decay"), muon_lr=run_value("muon_lr"),
-                                        muon_momentum=run_value("muon_momentum"), device_type=plan.device_type,
-                                        ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type), verbose=env.master)
-    scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)
+    torch.manual_seed(value("seed"))
+    raw_model, off = place_model(cfg, ckpt, value("seq_len"), plan, env, say)
+    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"), weight_decay=value("weight_decay"),
+                                        muon_lr=value("muon_lr"), muon_momentum=value("muon_momentum"),
+                                        device_type=plan.device_type, verbose=env.master,
+                                        ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type))
+    scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)  # off: a no-op (bf16, fp32)
 
     # micro-batch (and on small GPUs seq_len), compile, DDP: once the model and optimizers exist
     B, T, why, timed = memory.choose_micro_batch(
-        raw_model, optimizers, plan, cfg.micro_batch_size, seq_len, run_value("total_batch_size"), env.world_size,
-        auto=cfg.auto_micro_batch, fit="micro_batch_size" not in given, optimizer=cfg.optimizer,
+        raw_model, optimizers, plan, cfg.micro_batch_size, value("seq_len"), value("total_batch_size"),
+        env.world_size, auto=cfg.auto_micro_batch, fit="micro_batch_size" not in given, optimizer=cfg.optimizer,
         shrink_seq="seq_len" not in given and ckpt is None, warn=say)
     if why:
         say(why)
+    raw_model.config.ce_chunk_rows = memory.loss_chunk(plan, B * T, raw_model.config)  # before compile
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
-                               cfg.shuffle, run_value("seed"))
-    if ckpt is not None:  # the state the checkpoint continues from
-        from sharding import load_optimizer_state
-        load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
-        if ckpt["scaler"] and plan.grad_scaler:
-            scaler.load_state_dict(ckpt["scaler"])
-        train_loader.load_state_dict(ckpt["loader"])
-        checkpoint.set_rng_state(ckpt["rng"], device)
-        say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
+                               cfg.shuffle, value("seed"))
+    val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
+                             shuffle=False) if cfg.eval_interval > 0 else None
+    if ckpt is not None:
+        restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say)
 
-    # what the run resolved, beside what was asked
-    shape = {k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}  # the model decides its shape
-    decided = dict(overrides, **shape, **off, out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
-                   precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(), micro_batch_size=B,
-                   seq_len=T, auto_micro_batch=False)
-    resolved = dataclasses.replace(cfg, **decided)  # the one place the config is rewritten: the resolved copy
+    # what the run resolved, beside what was asked (the model decides its shape)
+    decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
+                   out_dir=out_dir, data_dir=data_dir, device=plan.device_type, precision=precision.dtype_name(plan.dtype),
+                   compile=str(plan.compile).lower(), micro_batch_size=B, seq_len=T, auto_micro_batch=False)
+    resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
     return Run(cfg=resolved, env=env, plan=plan, B=B, T=T, grad_accum=resolved.total_batch_size // (B * T * env.world_size),
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
-               train_loader=train_loader, data_dir=data_dir, start_step=ckpt["step"] if ckpt else 0,
+               train_loader=train_loader, val_loader=val_loader, data_dir=data_dir, start_step=ckpt["step"] if ckpt else 0,
                evals_done_at=ckpt["step"] if ckpt is not None and ckpt.get("evals_done", True) else -1,
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started)
@@ -311,17 +331,14 @@ class Progress:
     warned_grace: bool = False
 
 
-def periodic(run, step, last, say, runlog, val_loader, progress):
-    """The evals, HellaSwag and samples due at this step (rank 0 logs them). Returns the val loader,
-    built at the first eval (a run without evals never needs the val split to fit seq_len)."""
+def periodic(run, step, last, say, runlog, progress):
+    """The evals, HellaSwag and samples due at this step (rank 0 logs them)."""
     cfg = run.cfg
     if step == run.evals_done_at:  # the resumed checkpoint ran them already
-        return val_loader
+        return
     due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
     if due(cfg.eval_interval):
-        val_loader = val_loader or TokenLoader(run.data_dir, "val", run.B, run.T, run.env.rank, run.env.world_size,
-                                               run.raw_model.config.vocab_size, shuffle=False)
-        val_loss = evaluate(run, val_loader)
+        val_loss = evaluate(run, run.val_loader)
         say(f"step {step:6d} | val loss {val_loss:.4f}")
         runlog and runlog.write({"step": step, "val_loss": val_loss})
     if run.hellaswag and due(cfg.hellaswag_interval):
@@ -337,7 +354,6 @@ def periodic(run, step, last, say, runlog, val_loader, progress):
     if run.env.master and step > 0 and due(cfg.sample_interval):
         for text in sample(run):
             say(f"sample: {text!r}")
-    return val_loader
 
 
 def save(run, step, progress, guard, say, evals_done=True):
@@ -356,14 +372,10 @@ def save(run, step, progress, guard, say, evals_done=True):
         checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
         say(f"step {step:6d} | saved {path}")
     progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
-    took = progress.step_s + time.time() - t  # what a stop signal costs: the step in progress, then this save
-    grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
-    if run.env.ddp and took > grace and not progress.warned_grace:  # once a run
+    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
+    if note and not progress.warned_grace:  # once a run
         progress.warned_grace = True
-        say(f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun gives the workers "
-            f"between passing on a stop signal and SIGKILL: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
-            f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has --shutdown-timeout), "
-            f"or a stop may lose the steps since the last checkpoint")
+        say(note)
     return path
 
 # -----------------------------------------------------------------------------
@@ -405,17 +417,6 @@ def catch_stop_signals():
     return got
 
 
-def resume_command(argv, env):
-    """The command line that continues this run, as typed from the same directory."""
-    args = [a for a in argv if not a.startswith("--resume=")] + ["--resume=true"]
-    script = os.path.relpath(os.path.abspath(__file__))
-    launcher = [os.path.basename(sys.executable)]
-    if env.ddp:
-        launcher = ["torchrun", "--standalone" if env.nodes == 1 else f"--nnodes={env.nodes}",
-                    f"--nproc_per_node={env.local_world_size}"]
-    return shlex.join(launcher + [script] + args)
-
-
 class Guard:
     """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops the
     run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient norm
@@ -453,16 +454,6 @@ def zscore(window, x):
     return (x - mean) / std if std > 0 else 0.0
 
 
-def out_of_memory(e, run):
-    """One line for running out of memory: what ran out, where, and what to try."""
-    what = "GPU memory" if run is None or run.plan.device_type == "cuda" else "CPU RAM"
-    if run is None:
-        return f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true " \
-               "under torchrun, or a device with more memory"
-    return (f"out of {what} at micro-batch {run.B} x {run.T} (grad_accum {run.grad_accum}): try "
-            f"--micro_batch_size=auto, a smaller --micro_batch_size (total_batch_size stays, by more accumulation "
-            f"steps) or --activation_checkpointing=blocks")
-
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -481,10 +472,10 @@ def train(run, argv, say):
     guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state)
     deadline = run.started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf
     progress = Progress(run.newest, time.time(), run.raw_model.num_params(non_embedding=False) * 12 / 100e6)
-    code, clock_due, val_loader, signals = 0, False, None, catch_stop_signals()
+    code, clock_due, signals = 0, False, catch_stop_signals()
     for step in range(run.start_step, cfg.max_steps + 1):
         t_iter, last = time.time(), step == cfg.max_steps
-        val_loader = periodic(run, step, last, say, runlog, val_loader, progress)
+        periodic(run, step, last, say, runlog, progress)
         if step != run.evals_done_at and step > 0 and (last or clock_due or cfg.checkpoint_interval > 0
                                                        and step % cfg.checkpoint_interval == 0):
             save(run, step, progress, guard, say)
@@ -523,7 +514,7 @@ def train(run, argv, say):
         if stop_signal or out_of_time:
             path = save(run, step + 1, progress, guard, say, evals_done=False)
             reason = stop_signal.name if stop_signal else f"time_limit={cfg.time_limit:g} min"
-            say(f"{reason}: stopped after step {step}, saved {path}; resume with: {resume_command(argv, env)}")
+            say(f"{reason}: stopped after step {step}, saved {path}; resume with: {env.command(__file__, argv)}")
             code = 128 + stop_signal if stop_signal else 124
             break
     if runlog is not None:
@@ -576,7 +567,7 @@ def main(argv):
         if run is None:
             return 0
         if env.master:
-            write_json(os.path.join(run.cfg.out_dir, "config.json"), asked_and_resolved(cfg, run.cfg))
+            write_json(os.path.join(run.cfg.out_dir, "config.json"), asked_and_resolved(cfg, given, run.cfg))
         return train(run, argv, say)
     except (UserError, OSError) as e:  # bad input: 2; a full disk or I/O error while writing: 1
         return fail(e, quiet=not env.master)
@@ -586,7 +577,8 @@ def main(argv):
         return 3
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):
-            print(f"error: rank {env.rank}: " if env.ddp else "error: ", out_of_memory(e, run), sep="", file=sys.stderr)
+            print(f"error: rank {env.rank}: " if env.ddp else "error: ", memory.out_of_memory_message(
+                e, run and run.plan.device_type, run and run.B, run and run.T, run and run.grad_accum), sep="", file=sys.stderr)
             return 1
         if not (env.ddp and distributed.peer_failure(e)):
             raise

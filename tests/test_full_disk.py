@@ -128,10 +128,11 @@ def test_a_real_log_write_error_is_one_line_and_exit_1(data_dir, tmp_path):
     """Unpatched: log.jsonl outgrows the limit (config.json does not). One line, exit 1, and nothing more
     at exit (the kept-open log.jsonl, closed at exit, holds the rest of the refused row)."""
     out = str(tmp_path / "run")
-    r = run_limited(tiny_args(data_dir, out, max_steps=40, eval_interval=0, checkpoint_interval=0), 1500, tmp_path)
+    limit = 3000  # above config.json (asked + resolved, ~2 KB), below 40 steps of log.jsonl
+    r = run_limited(tiny_args(data_dir, out, max_steps=40, eval_interval=0, checkpoint_interval=0), limit, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {os.path.join(out, 'log.jsonl')}: "), r.stderr
-    assert os.path.getsize(os.path.join(out, "log.jsonl")) == 1500
+    assert os.path.getsize(os.path.join(out, "log.jsonl")) == limit
     assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
 
 

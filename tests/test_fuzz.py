@@ -24,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 import fineweb
 import hellaswag
 import train_gpt2
+from data import TokenLoader
 from fileio import UserError
 from model import GPT, GPTConfig, read_checkpoint
 from test_train import write_shards
@@ -142,7 +143,7 @@ def test_shard_is_loaded_or_refused(data, good_shards, tmp_path_factory):
     d = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
     with open(os.path.join(d, "toy_val_000000.npy"), "wb") as f:
         f.write(data)
-    loader = accepted_or_user_error(data.TokenLoader, d, "val", 2, 16, 0, 1, 64)
+    loader = accepted_or_user_error(TokenLoader, d, "val", 2, 16, 0, 1, 64)
     if loader is not None:
         for _ in range(3):
             if accepted_or_user_error(loader.next_batch) is None:

@@ -17,6 +17,7 @@ import pytest
 
 import logger
 import precision
+import config
 import train_gpt2
 from test_train import read_log, tiny_args
 from train_gpt2 import Config, main
@@ -193,7 +194,7 @@ def test_step_line_eta_and_bar_in_a_run(data_dir, tmp_path, monkeypatch):
 
 
 def test_help_lists_every_key_by_section(capsys):
-    source = open(train_gpt2.__file__).read()
+    source = open(config.__file__).read()
     body = re.search(r"^class Config:\n(.*?)\n\n", source, re.S | re.M).group(1)  # Config's lines
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -217,3 +218,11 @@ def test_help_from_the_command_line():
     res = subprocess.run([sys.executable, "train_gpt2.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("usage: python train_gpt2.py")
     assert "--micro_batch_size int|auto" in res.stdout and "--precision auto|bf16|fp16|fp32" in res.stdout
+
+
+def test_help_fits_an_80_column_terminal():
+    """Each key's meaning wraps at the terminal's width under its name, not in a narrow column beside it."""
+    out = config.help_text(width=80)
+    meaning_lines = [line for line in out.splitlines() if line.startswith("      ")]
+    assert meaning_lines and all(len(line) <= 80 for line in out.splitlines() if line.startswith(" "))
+    assert sum(len(line) > 60 for line in meaning_lines) > len(meaning_lines) // 3  # lines use the width

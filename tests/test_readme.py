@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 
-from train_gpt2 import Config, config_sections
+from config import Config, config_sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import memory
+import optim
 import precision
 from model import GPT, GPTConfig
 from sharding import load_optimizer_state
@@ -133,8 +134,8 @@ def test_checkpoint_from_before_the_named_format_resumes(runs, tmp_path):
     ckpt = load_ckpt(os.path.join(one, "ckpt_000002.pt"))
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-    load_optimizer_state(model, optimizer, ckpt["optimizer"])
+    optimizer = optim.build_optimizers(model, "adamw", lr=1e-3, weight_decay=0.1, verbose=False)[0]  # the trainer's
+    load_optimizer_state(model, [optimizer], ckpt["optimizer"])
     ckpt["optimizer"] = optimizer.state_dict()
     assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
     torch.save(ckpt, os.path.join(out, "ckpt_000002.pt"))
