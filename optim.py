@@ -7,6 +7,7 @@ import inspect
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from fileio import UserError
 
@@ -87,10 +88,21 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = zeropower(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
                 p.mul_(1 - lr * wd)
                 p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
         return loss
+
+
+def orthogonalize(update, ns_dtype, steps, coefficients, eps):
+    """zeropower of a whole matrix. Under FSDP (a DTensor sharded by rows) each rank gathers the update
+    once, orthogonalizes it whole (the same bits on every rank) and keeps its own rows, instead of
+    letting DTensor redistribute inside each of Newton-Schulz's 15 matmuls."""
+    if not isinstance(update, DTensor):
+        return zeropower(update, ns_dtype, steps, coefficients, eps)
+    whole = zeropower(update.full_tensor(), ns_dtype, steps, coefficients, eps)  # (A, B), on every rank
+    replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
+    return replicated.redistribute(update.device_mesh, update.placements)  # each rank's slice: no communication
 
 
 def adjusted_lr_ratio(adjust_lr_fn, shape):

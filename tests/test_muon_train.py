@@ -1,0 +1,124 @@
+"""optimizer=muon through the trainer: it learns; resume is bit-exact; 2-rank DDP and FSDP2 (gloo, CPU)
+equal one process; a checkpoint of one optimizer does not resume as the other (init_from still starts a
+new run from its weights); a Muon-trained checkpoint exports to a Hugging Face directory that
+transformers' text-generation pipeline opens. The optimizer's own step is tested in test_optim.py."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import model as model_py
+from test_train import load_ckpt, read_log, step_losses, tiny_args  # TEMP
+from test_train_fsdp import run_ranks  # TEMP
+from model import GPT
+from tokenizer import get_encoding
+from train_gpt2 import main
+
+MUON = dict(optimizer="muon", muon_lr=2e-2)
+COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
+              min_lr=1e-4, **MUON)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
+ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2)  # val: the same 4 batches
+
+
+@pytest.fixture(scope="module")
+def muon_run(data_dir, tmp_path_factory):
+    """8 steps of optimizer=muon, checkpoints at 4 and 8."""
+    out = str(tmp_path_factory.mktemp("muon"))
+    assert main(tiny_args(data_dir, out, **MUON)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("muon_one"))
+    assert main(tiny_args(data_dir, out, **ONE)) == 0
+    return out
+
+
+def muon_state(ckpt):
+    """{parameter name: momentum buffer} of a checkpoint's Muon state."""
+    return {k: v["momentum_buffer"] for k, v in ckpt["optimizer"]["state"].items() if "momentum_buffer" in v}
+
+
+def test_muon_learns_and_checkpoints_both_states_by_name(muon_run):
+    vals = [e["val_loss"] for e in read_log(muon_run) if "val_loss" in e]
+    assert len(vals) == 3 and vals[-1] < vals[0] - 0.25
+    ckpt = load_ckpt(os.path.join(muon_run, "ckpt_000008.pt"))
+    state = ckpt["optimizer"]["state"]
+    matrices = {k for k in state if k.startswith("transformer.h.") and k.endswith(("c_attn.weight", "c_proj.weight",
+                                                                                   "c_fc.weight"))}
+    assert len(matrices) == 4 and set(muon_state(ckpt)) == matrices  # Muon: the block's four matrices
+    assert all(set(state[k]) >= {"exp_avg", "exp_avg_sq"} for k in set(state) - matrices)  # AdamW: the rest
+    assert "transformer.wte.weight" in state and ckpt["config"]["optimizer"] == "muon"
+    resolved = json.load(open(os.path.join(muon_run, "config.json")))["resolved"]
+    assert resolved["optimizer"] == "muon" and resolved["muon_lr"] == 2e-2
+
+
+def test_muon_resume_is_bit_exact(muon_run, data_dir, tmp_path):
+    out = str(tmp_path / "resumed")
+    os.makedirs(out)
+    shutil.copy(os.path.join(muon_run, "ckpt_000004.pt"), out)
+    assert main(tiny_args(data_dir, out, resume="true", **MUON)) == 0
+    resumed, straight = step_losses(out), step_losses(muon_run)
+    assert sorted(resumed) == [4, 5, 6, 7] and all(resumed[s] == straight[s] for s in resumed)
+    a, b = load_ckpt(os.path.join(muon_run, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert set(sa) == set(sb) and all(torch.equal(sa[p][k], sb[p][k]) for p in sa for k in sa[p])
+
+
+def test_other_optimizer_is_refused_but_init_from_starts_from_the_weights(muon_run, data_dir, tmp_path, capsys):
+    out = str(tmp_path / "other")
+    os.makedirs(out)
+    shutil.copy(os.path.join(muon_run, "ckpt_000004.pt"), out)
+    capsys.readouterr()
+    assert main(tiny_args(data_dir, out, resume="true", optimizer="adamw")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optimizer=muon" in err and "init_from" in err, err
+    assert sorted(os.listdir(out)) == ["ckpt_000004.pt"]  # nothing written
+    new = str(tmp_path / "new")
+    ckpt = os.path.join(muon_run, "ckpt_000008.pt")
+    assert main(tiny_args(data_dir, new, init_from=ckpt, optimizer="adamw", max_steps=2, eval_interval=0)) == 0
+    first = next(e for e in read_log(new) if "loss" in e)
+    assert first["step"] == 0 and first["loss"] < step_losses(muon_run)[0] - 0.25  # the trained weights
+
+
+def test_ddp_with_muon_equals_one_process(one_process, data_dir, tmp_path):
+    out = str(tmp_path / "ddp")
+    run_ranks(tiny_args(data_dir, out, **TWO), out)
+    assert_same_muon_run(one_process, out)
+
+
+def test_fsdp_with_muon_equals_one_process(one_process, data_dir, tmp_path):
+    """Each rank holds half of every matrix's rows; Muon gathers the whole update to orthogonalize it."""
+    out = str(tmp_path / "fsdp")
+    run_ranks(tiny_args(data_dir, out, fsdp="true", **TWO), out)
+    assert_same_muon_run(one_process, out)
+
+
+def assert_same_muon_run(a_dir, b_dir):
+    a, b = step_losses(a_dir), step_losses(b_dir)
+    assert sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
+    wa, wb = load_ckpt(os.path.join(a_dir, "ckpt_000004.pt")), load_ckpt(os.path.join(b_dir, "ckpt_000004.pt"))
+    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-5
+    ma, mb = muon_state(wa), muon_state(wb)
+    assert len(ma) == 8 and set(ma) == set(mb)  # 2 layers x 4 matrices
+    assert max((ma[k] - mb[k]).abs().max().item() for k in ma) <= 1e-5
+    assert wa["model"]["transformer.h.0.mlp.c_fc.weight"].ne(
+        load_ckpt(os.path.join(a_dir, "ckpt_000002.pt"))["model"]["transformer.h.0.mlp.c_fc.weight"]).any()
+
+
+def test_muon_checkpoint_exports_to_a_text_generation_pipeline(data_dir, tmp_path):
+    from transformers import pipeline
+    out = str(tmp_path / "run")
+    assert main(tiny_args(data_dir, out, vocab_size=50304, max_steps=2, eval_interval=0, checkpoint_interval=0,
+                          **MUON)) == 0
+    ckpt, hf = os.path.join(out, "ckpt_000002.pt"), str(tmp_path / "hf")
+    assert model_py.main(["export", ckpt, hf]) == 0
+    prompt, enc = "Hello, I'm a language model,", get_encoding()
+    ids = pipeline("text-generation", model=hf, device="cpu")(prompt, max_new_tokens=8, do_sample=False,
+                                                             return_tensors=True)[0]["generated_token_ids"]
+    ours = GPT.from_checkpoint(ckpt).generate(torch.tensor([enc.encode_ordinary(prompt)]), 8, temperature=0)[0]
+    assert list(ids) == ours.tolist()
