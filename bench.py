@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import optim
 import precision
 from fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
@@ -151,19 +152,21 @@ def fused_available(device_type):
     return True
 
 
-def build(settings, size, seq_len, device, device_type):
-    """A fresh model (same seed every rung) and its optimizer for one rung's settings."""
+def build(settings, size, seq_len, device, device_type, optimizer="adamw"):
+    """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the trainer's)
+    for one rung's settings."""
     torch.manual_seed(1337)
     config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
                        loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], **SIZES[size])
     raw = GPT(config).to(device)
-    optimizer = raw.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type=device_type,
-                                         fused=settings["fused"], verbose=False)
+    optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=device_type,
+                                        ns_dtype=optim.ns_dtype_for(settings.get("dtype"), device_type),
+                                        fused=settings["fused"], verbose=False)
     model = raw
     if settings["compile"]:
         torch._dynamo.reset()  # a fresh cache per rung: no recompile limit, no stale graphs
         model = torch.compile(raw, mode=settings.get("compile_mode"))
-    return raw, model, optimizer
+    return raw, model, optimizers
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s text
@@ -185,13 +188,13 @@ def count_syncs(fn, set_mode=None):
     return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
-def time_steps(model, optimizer, scaler, x, y, plan, warmup, steps):
+def time_steps(model, optimizers, scaler, x, y, plan, warmup, steps):
     """Median seconds of `steps` synchronised training steps after `warmup` untimed ones."""
     times = []
     for i in range(warmup + steps):
         precision.synchronize(plan.device)
         t0 = time.perf_counter()
-        train_step(model, [optimizer], scaler, x, y, plan)
+        train_step(model, optimizers, scaler, x, y, plan)
         precision.synchronize(plan.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -207,12 +210,12 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    raw, model, optimizer = build(settings, size, seq_len, device, device_type)
+    raw, model, optimizers = build(settings, size, seq_len, device, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     x, y = random_batch(settings.get("micro_batch", micro_batch), seq_len, device)
-    ms = 1000 * time_steps(model, optimizer, scaler, x, y, plan, warmup, steps)
+    ms = 1000 * time_steps(model, optimizers, scaler, x, y, plan, warmup, steps)
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
-    syncs = count_syncs(lambda: train_step(model, [optimizer], scaler, x, y, plan)) if device_type == "cuda" else None
+    syncs = count_syncs(lambda: train_step(model, optimizers, scaler, x, y, plan)) if device_type == "cuda" else None
     fpt = flops_per_token(raw, seq_len)
     return ms, fpt, peak, syncs
 
@@ -343,18 +346,18 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
                    note=f"{world} rank(s), gradient_as_bucket_view")
         if skip is None:
             precision.set_tf32(plan.tf32)
-            raw, _, optimizer = build(settings, size, seq_len, device, device_type)
+            raw, _, optimizers = build(settings, size, seq_len, device, device_type)
             torch._dynamo.reset()
             model = wrap_ddp(raw, order, [device] if device_type == "cuda" else None, backend)
             scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
             x, y = random_batch(micro_batch, seq_len, device, seed=1337 + dist.get_rank())
-            ms = 1000 * agree(time_steps(model, optimizer, scaler, x, y, plan, warmup, steps), "max", device)
+            ms = 1000 * agree(time_steps(model, optimizers, scaler, x, y, plan, warmup, steps), "max", device)
             tok_s = world * micro_batch * seq_len / (ms / 1000)
             first = first or tok_s
             row.update(ms_per_step=ms, tokens_per_s=tok_s, speedup_first=tok_s / first,
                        mfu=precision.estimate_mfu(flops_per_token(raw, seq_len), tok_s / world, device_name,
                                                   plan.dtype, plan.tf32))
-            del raw, model, optimizer
+            del raw, model, optimizers
             free_memory(device_type)
         rows.append(row)
     precision.set_tf32(False)
@@ -475,7 +478,8 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     return out
 
 
-def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none", world_size=1, fsdp=False):
+def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none", world_size=1, fsdp=False,
+                  optimizer="adamw"):
     """The --memory report under a precision plan, as lines of text: measured in this process, with the
     given loss and activation checkpointing modes; then what one rank of world_size (FSDP or DDP) needs,
     computed."""
@@ -489,20 +493,20 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    raw, model, optimizer = build(settings, size, seq_len, device, device_type)
+    raw, model, optimizers = build(settings, size, seq_len, device, device_type, optimizer)
     x, y = random_batch(micro_batch, seq_len, device)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     saved, logits = saved_activation_bytes(raw, x, y, plan)
     peak = step_peak_bytes(raw, x, y, plan)
     for _ in range(2 if device_type == "cuda" else 1):  # CUDA: the 2nd step's peak has the optimizer state
-        train_step(model, [optimizer], scaler, x, y, plan)
+        train_step(model, optimizers, scaler, x, y, plan)
     precision.synchronize(device)
     params = list(raw.parameters())
-    p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors([optimizer]))
+    p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors(optimizers))
     est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
-              f"  optimizer state   {fmt_bytes(o):>10}  (AdamW exp_avg + exp_avg_sq)",
+              f"  optimizer state   {fmt_bytes(o):>10}  ({OPTIMIZER_STATE[optimizer]})",
               f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); estimate {fmt_bytes(est)}",
               f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; "
               f"estimate {fmt_bytes(est_logits)}",
@@ -520,7 +524,7 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     else:
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
     config = raw.config
-    del raw, model, optimizer, x, y
+    del raw, model, optimizers, x, y
     precision.set_tf32(False)
     free_memory(device_type)
     if device_type == "cuda":
@@ -536,7 +540,7 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
-    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp)
+    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) + f"; total {fmt_bytes(sum(parts.values()))}")
     return lines
@@ -547,6 +551,8 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
 
 GPUS = [("T4 16 GB", 15.0, torch.float16), ("24 GB", 22.5, torch.bfloat16), ("A100 40 GB", 39.5, torch.bfloat16),
         ("80 GB", 79.1, torch.bfloat16)]  # (name, GiB CUDA reports as total (A10, L4, 4090: 22.1-23.6), autocast dtype)
+OPTIMIZER_STATE = {"adamw": "AdamW exp_avg + exp_avg_sq",
+                   "muon": "Muon: one momentum buffer per block matrix; AdamW's two on the rest"}
 FIT_MODES = [  # (column, world_size, fsdp, loss_impl, activation_checkpointing)
     ("1 GPU, full loss", 1, False, "full", "none"),
     ("1 GPU", 1, False, "chunked", "none"),
@@ -559,7 +565,7 @@ FIT_MODES = [  # (column, world_size, fsdp, loss_impl, activation_checkpointing)
 ]
 
 
-def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")):
+def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), optimizer="adamw"):
     """Markdown: the largest micro-batch at seq_len whose training_bytes_estimate stays within
     1 - headroom of each GPU's memory, for each model size and mode ("-": not even 1)."""
     lines = ["| model | GPU | " + " | ".join(m[0] for m in FIT_MODES) + " |",
@@ -569,7 +575,8 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
             cells = []
             for _, world, fsdp, loss, ckpt in FIT_MODES:
                 config = GPTConfig(vocab_size=50304, loss_impl=loss, activation_checkpointing=ckpt, **SIZES[size])
-                b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp)
+                b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp,
+                                          optimizer=optimizer)
                 cells.append(str(b) if b else "-")
             n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
             lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")
@@ -590,6 +597,8 @@ def parse_args(argv):
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="the plan's autocast dtype (auto: bf16 on sm80+, fp16 on sm7x, else fp32)")
     p.add_argument("--model", default=None, choices=sorted(SIZES), help="model size (default: gpt2 on CUDA, small on CPU)")
+    p.add_argument("--optimizer", default="adamw", choices=optim.OPTIMIZERS,
+                   help="the trainer's optimizer=: its state is part of --memory, --fit and --find_batch")
     p.add_argument("--micro_batch_size", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per rung (after warm-up)")
@@ -662,22 +671,23 @@ def run(args):
     if args.memory:
         print(header(args, steps=False))
         print("\n".join(memory_report(plan, args.model, args.micro_batch_size, args.seq_len, args.loss_impl,
-                                       args.activation_checkpointing, args.world_size, args.fsdp)))
+                                       args.activation_checkpointing, args.world_size, args.fsdp, args.optimizer)))
         return 0
     if args.fit:
         print(f"largest micro-batch at seq_len {args.seq_len} within {1 - args.headroom:.0%} of the GPU's memory, "
-              "computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere)\n")
-        print("\n".join(fit_table(args.seq_len, args.headroom)))
+              f"computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere; "
+              f"optimizer {args.optimizer})\n")
+        print("\n".join(fit_table(args.seq_len, args.headroom, optimizer=args.optimizer)))
         return 0
     if args.ddp:
         return ddp_cli(args, plan)
     if args.find_batch:
         settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda", loss=args.loss_impl,
                         ckpt=args.activation_checkpointing)
-        raw, _, optimizer = build(settings, args.model, args.seq_len, args.device, device_type)
+        raw, _, optimizers = build(settings, args.model, args.seq_len, args.device, device_type, args.optimizer)
         precision.set_tf32(plan.tf32)
         try:
-            b, reason, _ = auto_micro_batch(raw, [optimizer], args.seq_len, args.total_batch_size, 1, args.device, plan,
+            b, reason, _ = auto_micro_batch(raw, optimizers, args.seq_len, args.total_batch_size, 1, args.device, plan,
                                             default=args.micro_batch_size, headroom=args.headroom)
         except ValueError as e:
             raise UserError(str(e)) from None

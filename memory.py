@@ -116,7 +116,7 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     B, T, C, V, L = micro_batch, seq_len, config.n_embd, config.vocab_size, config.n_layer
     a = 4 if dtype == torch.float32 else 2
     shard = world_size if fsdp else 1
-    muon = L * (block - 9 * C) if optimizer == "muon" else 0  # the blocks' matrices: one momentum buffer, not two
+    muon = L * 12 * C * C if optimizer == "muon" else 0  # the blocks' matrices (12CC a block): one buffer, not two
     parts = {"parameters": 4 * n // shard, "gradients": 4 * n // shard, "optimizer state": (8 * n - 4 * muon) // shard,
              "DDP buckets": 4 * n if world_size > 1 and not fsdp else 0}
     if fsdp:
@@ -135,9 +135,11 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     return parts
 
 
-def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096):
+def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096,
+                          optimizer="adamw"):
     """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
-    fits = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp).values()) <= budget  # noqa: E731
+    fits = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp,  # noqa: E731
+                                                 optimizer).values()) <= budget
     lo, hi = 0, limit
     while lo < hi:  # the estimate grows with the micro-batch: bisect
         mid = (lo + hi + 1) // 2

@@ -122,3 +122,25 @@ def test_muon_checkpoint_exports_to_a_text_generation_pipeline(data_dir, tmp_pat
                                                              return_tensors=True)[0]["generated_token_ids"]
     ours = GPT.from_checkpoint(ckpt).generate(torch.tensor([enc.encode_ordinary(prompt)]), 8, temperature=0)[0]
     assert list(ids) == ours.tolist()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
+    """bench.py --memory/--fit and micro_batch_size=auto use training_bytes_estimate: its optimizer state
+    is what the trainer's optimizers hold after a step (AdamW two fp32 buffers a parameter, Muon one a matrix)."""
+    import bench
+    import memory
+    import precision
+    plan = precision.make_plan("cpu", "fp32")
+    settings = dict(bench.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
+    raw, model, optimizers = bench.build(settings, "tiny", 32, "cpu", "cpu", optimizer)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    precision.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
+    held = memory.tensor_bytes(memory.optimizer_state_tensors(optimizers))
+    estimate = memory.training_bytes_estimate(raw.config, 2, 32, optimizer=optimizer)["optimizer state"]
+    n = sum(p.numel() for p in raw.parameters())
+    steps = 4 * sum(1 for s in optimizers[0].state.values() if "step" in s)  # AdamW's step counts, not estimated
+    assert held - steps == estimate == (8 * n if optimizer == "adamw" else 8 * n - 4 * sum(
+        p.numel() for o in optimizers[1:] for g in o.param_groups for p in g["params"]))
+    line = next(x for x in bench.memory_report(plan, "tiny", 2, 32, optimizer=optimizer) if "optimizer state" in x)
+    assert memory.fmt_bytes(held) in line and ("Muon" in line) == (optimizer == "muon")
