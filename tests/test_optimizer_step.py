@@ -1,0 +1,65 @@
+"""precision.optimizer_step, the one step of the trainer, bench.py and the probes: where the optimizers
+can skip a non-finite step on the device (fused AdamW's found_inf, the GradScaler) the update is
+launched before the step's one host read; the skip semantics are the host path's, bit for bit."""
+import math
+
+import pytest
+import torch
+
+import optim
+import precision
+from model import GPT, GPTConfig
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+
+
+def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
+    """steps optimizer steps on fixed data, the gradients made inf at the steps in poison. on_device
+    False forces the host path (an outlier test that never fires). Returns (model, [Stepped])."""
+    model = tiny()
+    opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    params = [p for p in model.parameters()]
+    assert precision.skips_on_device(opts, scaler, None) == (fused and optimizer == "adamw")
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = []
+    for step in range(steps):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        if step in poison:
+            model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = math.inf
+        out.append(precision.optimizer_step(opts, scaler, params, 1.0, 1.0, loss.detach(),
+                                            is_outlier=None if on_device else (lambda loss, norm: False)))
+    return model, opts, out
+
+
+def test_on_device_skip_equals_the_host_path_bit_for_bit():
+    """Fused AdamW either way: launched before the read with found_inf, or decided on the host after it."""
+    a, opts_a, sa = run(4, fused=True, on_device=True)
+    b, opts_b, sb = run(4, fused=True, on_device=False)
+    assert [s.applied for s in sa] == [s.applied for s in sb] == [True, False, True, True]
+    assert [s.loss for s in sa] == [s.loss for s in sb] and math.isinf(sa[1].norm)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    state_a, state_b = opts_a[0].state_dict()["state"], opts_b[0].state_dict()["state"]
+    assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+    assert int(state_a[0]["step"]) == 3  # the skipped step is not counted
+
+
+def test_a_skipped_step_leaves_weights_and_state_as_they_were():
+    """The inf step on the device path changes nothing: same as a run without that step's update."""
+    a, _, _ = run(2, fused=True, on_device=True, poison=(1,))
+    b, _, _ = run(1, fused=True, on_device=True, poison=())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+
+
+@pytest.mark.parametrize("optimizer,fused", [("adamw", False), ("muon", True), ("muon", False)])
+def test_host_path_skips_too(optimizer, fused):
+    """Where the update cannot skip on the device (Muon, a non-fused AdamW) it is decided after the read."""
+    a, _, steps = run(2, fused=fused, on_device=True, optimizer=optimizer, poison=(1,))
+    b, _, _ = run(1, fused=fused, on_device=True, optimizer=optimizer, poison=())
+    assert [s.applied for s in steps] == [True, False]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
