@@ -103,10 +103,6 @@ def run_out_dir(cfg, given):
     return cfg.out_dir
 
 
-def finished(ckpt, max_steps):
-    return ckpt is not None and (ckpt["step"] > max_steps or ckpt["step"] == max_steps and ckpt.get("evals_done", True))
-
-
 def load_model(cfg, ckpt, verbose):
     """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a save_pretrained dir."""
     if ckpt is not None:
@@ -203,17 +199,6 @@ def place_model(cfg, ckpt, seq_len, plan, env, say):
     return raw_model, off
 
 
-def restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say):
-    """The state a checkpoint continues from: optimizers, loss scale, data position, RNG."""
-    from sharding import load_optimizer_state
-    load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
-    if ckpt["scaler"] and plan.grad_scaler:
-        scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(ckpt["loader"])
-    checkpoint.set_rng_state(ckpt["rng"], plan.device)
-    say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
-
-
 def setup(cfg, given, env, say, lock):
     """Every decision of the run, once, in execution order. Returns the frozen Run, or None when the
     out_dir holds a finished run (nothing to do)."""
@@ -228,7 +213,7 @@ def setup(cfg, given, env, say, lock):
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
-    if finished(ckpt, cfg.max_steps):
+    if checkpoint.finished(ckpt, cfg.max_steps):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
@@ -266,7 +251,8 @@ def setup(cfg, given, env, say, lock):
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                              shuffle=False) if cfg.eval_interval > 0 else None
     if ckpt is not None:
-        restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say)
+        checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
+        say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
 
     # what the run resolved, beside what was asked (the model decides its shape)
     decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
@@ -277,7 +263,7 @@ def setup(cfg, given, env, say, lock):
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
                train_loader=train_loader, val_loader=val_loader, data_dir=data_dir, start_step=ckpt["step"] if ckpt else 0,
-               evals_done_at=ckpt["step"] if ckpt is not None and ckpt.get("evals_done", True) else -1,
+               evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started)
 
