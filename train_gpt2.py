@@ -14,6 +14,7 @@ memory.py), and returns a frozen Run that the loop only reads. The resolved conf
 beside what was asked in out_dir/config.json; progress goes to the console and out_dir/log.jsonl;
 checkpoints to out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
 Ctrl-C/SIGTERM and `--time_limit=MINUTES` finish the step, save and print the command that continues.
+In this file, top down: the LR schedule, setup() and its parts, the loop, the periodic work it calls, main.
 """
 import dataclasses
 import json
@@ -268,39 +269,7 @@ def setup(cfg, given, env, say, lock):
                hellaswag=load_hellaswag(resolved, env, startup), started=started)
 
 # -----------------------------------------------------------------------------
-# periodic work: evaluation, HellaSwag, samples, checkpoints
-
-
-@torch.no_grad()
-def evaluate(run, loader):
-    """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
-    run.model.eval()
-    loader.reset()
-    total = torch.zeros((), device=run.plan.device)
-    for _ in range(run.cfg.val_steps):
-        x, y = loader.next_batch(run.plan.device)  # (B, T), (B, T)
-        with precision.autocast(run.plan):
-            _, loss = run.model(x, y)
-        total += loss.float()
-    if run.env.world_size > 1:
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-    run.model.train()
-    return total.item() / (run.cfg.val_steps * run.env.world_size)  # sync: once per eval
-
-
-def sample(run):
-    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
-    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from tokenizer import get_encoding
-    cfg, device, enc = run.cfg, run.plan.device, get_encoding()
-    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
-    idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
-    run.raw_model.eval()
-    with precision.autocast(run.plan):
-        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
-    run.raw_model.train()
-    return [enc.decode(row.tolist()) for row in out]
+# the training loop
 
 
 @dataclass
@@ -315,61 +284,11 @@ class Progress:
     warned_grace: bool = False
 
 
-def periodic(run, step, last, say, runlog, progress):
-    """The evals, HellaSwag and samples due at this step (rank 0 logs them)."""
-    cfg = run.cfg
-    if step == run.evals_done_at:  # the resumed checkpoint ran them already
-        return
-    due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
-    if due(cfg.eval_interval):
-        val_loss = evaluate(run, run.val_loader)
-        say(f"step {step:6d} | val loss {val_loss:.4f}")
-        runlog and runlog.write({"step": step, "val_loss": val_loss})
-    if run.hellaswag and due(cfg.hellaswag_interval):
-        hellaswag, examples = run.hellaswag
-        res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
-                                 world_size=run.env.world_size, progress=run.env.master)
-        say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
-        runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
-    evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
-    if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
-        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
-        progress.plotted_at = time.time()
-    if run.env.master and step > 0 and due(cfg.sample_interval):
-        for text in sample(run):
-            say(f"sample: {text!r}")
-
-
-def save(run, step, progress, guard, say, evals_done=True):
-    """Every rank checks that the state is finite (so that all stop alike); rank 0 writes the checkpoint,
-    then deletes those keep_last no longer keeps. Returns its path."""
-    if not checkpoint.finite_state(run.raw_model, run.optimizers, run.plan.device):
-        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
-                       f"so it is not written: the run diverged (newest checkpoint: {progress.newest or 'none'}); "
-                       f"{remedy(run.cfg)}")
-    t = time.time()
-    path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
-    checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
-                               run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
-                               guard=guard.state_dict())
-    if run.env.master:
-        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
-        say(f"step {step:6d} | saved {path}")
-    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
-    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
-    if note and not progress.warned_grace:  # once a run
-        progress.warned_grace = True
-        say(note)
-    return path
-
-# -----------------------------------------------------------------------------
-# the training loop
-
-
 def train(run, argv, say):
     cfg, env = run.cfg, run.env
     say(json.dumps(dataclasses.asdict(cfg), indent=2))
-    say(f"{run.raw_model.num_params(non_embedding=False):,} parameters | {run.tokens_per_step:,} tokens per step = "
+    n_params = run.raw_model.num_params(non_embedding=False)
+    say(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = "
         f"{run.B} x {run.T} x {env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | {cfg.max_steps} steps")
     runlog = None  # rank 0's: log.jsonl, and TensorBoard / W&B when asked (logger.py)
     if env.master:
@@ -379,7 +298,7 @@ def train(run, argv, say):
     timer, flops_tok = logger.StepTimer(), flops_per_token(run.raw_model, run.T)
     guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state)
     deadline = run.started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf
-    progress = Progress(run.newest, time.time(), run.raw_model.num_params(non_embedding=False) * 12 / 100e6)
+    progress = Progress(run.newest, time.time(), n_params * 12 / 100e6)  # a first guess at a save's seconds
     code, clock_due, signals = 0, False, catch_stop_signals()
     for step in range(run.start_step, cfg.max_steps + 1):
         t_iter, last = time.time(), step == cfg.max_steps
@@ -452,6 +371,89 @@ def log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog):
     runlog.write({"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
                  mfu=mfu, **logger.memory_stats(run.plan.device))
+
+# -----------------------------------------------------------------------------
+# periodic work: evaluation, HellaSwag, samples, checkpoints
+
+
+@torch.no_grad()
+def evaluate(run, loader):
+    """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
+    run.model.eval()
+    loader.reset()
+    total = torch.zeros((), device=run.plan.device)
+    for _ in range(run.cfg.val_steps):
+        x, y = loader.next_batch(run.plan.device)  # (B, T), (B, T)
+        with precision.autocast(run.plan):
+            _, loss = run.model(x, y)
+        total += loss.float()
+    if run.env.world_size > 1:
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+    run.model.train()
+    return total.item() / (run.cfg.val_steps * run.env.world_size)  # sync: once per eval
+
+
+def sample(run):
+    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
+    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
+    from tokenizer import get_encoding
+    cfg, device, enc = run.cfg, run.plan.device, get_encoding()
+    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
+    idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
+    run.raw_model.eval()
+    with precision.autocast(run.plan):
+        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    run.raw_model.train()
+    return [enc.decode(row.tolist()) for row in out]
+
+
+def periodic(run, step, last, say, runlog, progress):
+    """The evals, HellaSwag and samples due at this step (rank 0 logs them)."""
+    cfg = run.cfg
+    if step == run.evals_done_at:  # the resumed checkpoint ran them already
+        return
+    due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
+    if due(cfg.eval_interval):
+        val_loss = evaluate(run, run.val_loader)
+        say(f"step {step:6d} | val loss {val_loss:.4f}")
+        runlog and runlog.write({"step": step, "val_loss": val_loss})
+    if run.hellaswag and due(cfg.hellaswag_interval):
+        hellaswag, examples = run.hellaswag
+        res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
+                                 world_size=run.env.world_size, progress=run.env.master)
+        say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
+        runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+    evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
+    if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
+        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
+        progress.plotted_at = time.time()
+    if run.env.master and step > 0 and due(cfg.sample_interval):
+        for text in sample(run):
+            say(f"sample: {text!r}")
+
+
+def save(run, step, progress, guard, say, evals_done=True):
+    """Every rank checks that the state is finite (so that all stop alike); rank 0 writes the checkpoint,
+    then deletes those keep_last no longer keeps. Returns its path."""
+    if not checkpoint.finite_state(run.raw_model, run.optimizers, run.plan.device):
+        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
+                       f"so it is not written: the run diverged (newest checkpoint: {progress.newest or 'none'}); "
+                       f"{remedy(run.cfg)}")
+    t = time.time()
+    path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
+    checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
+                               run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
+                               guard=guard.state_dict())
+    if run.env.master:
+        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
+        say(f"step {step:6d} | saved {path}")
+    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
+    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
+    if note and not progress.warned_grace:  # once a run
+        progress.warned_grace = True
+        say(note)
+    return path
 
 # -----------------------------------------------------------------------------
 # main: parse, set up, train; every failure one line and an exit code
