@@ -5,6 +5,7 @@ the lock that keeps one live run per out_dir.
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
     ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
     save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master, **extra)
+    restore(ckpt, raw_model, optimizers, scaler, loader, device)   # what it continues from, put back
 
 Checkpoints hold plain tensors/dicts/numbers only, so torch.load(weights_only=True) reads them; the
 optimizer state is keyed by parameter name (one state for AdamW alone, or AdamW + Muon together).
@@ -24,7 +25,7 @@ import torch
 from distributed import agree
 from fileio import UserError, replacing
 from model import read_checkpoint
-from sharding import full_state
+from sharding import full_state, load_optimizer_state
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -105,6 +106,17 @@ def resume_overrides(out_dir, cfg, given, say=print):
     return ckpt, overrides
 
 
+def evals_done_at(ckpt):
+    """The step whose evals the checkpoint's run already ran (-1: none, or no checkpoint): a save for a
+    stop (signal, time limit) comes before the next step's evals."""
+    return ckpt["step"] if ckpt is not None and ckpt.get("evals_done", True) else -1
+
+
+def finished(ckpt, max_steps):
+    """Whether a checkpoint holds a run that is done: past max_steps, or at it with its evals run."""
+    return ckpt is not None and (ckpt["step"] > max_steps or evals_done_at(ckpt) == max_steps)
+
+
 def prune_checkpoints(out_dir, step, keep_last):
     """Once ckpt_{step} is in place: delete the checkpoints older than it but the keep_last - 1 newest
     (keep_last 0: keep all), and the .tmp left by a save that was killed. Higher-numbered files (an
@@ -155,6 +167,15 @@ def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, d
             torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
         except RuntimeError as e:  # torch's own report of a short write
             raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
+
+
+def restore(ckpt, raw_model, optimizers, scaler, loader, device):
+    """Put back the state a checkpoint continues from: optimizers, loss scale, data position, RNG."""
+    load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
+    if ckpt["scaler"] and scaler.is_enabled():  # (the GradScaler is enabled for fp16 plans only)
+        scaler.load_state_dict(ckpt["scaler"])
+    loader.load_state_dict(ckpt["loader"])
+    set_rng_state(ckpt["rng"], device)
 
 
 def finite_state(raw_model, optimizers, device):

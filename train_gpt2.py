@@ -14,6 +14,7 @@ memory.py), and returns a frozen Run that the loop only reads. The resolved conf
 beside what was asked in out_dir/config.json; progress goes to the console and out_dir/log.jsonl;
 checkpoints to out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
 Ctrl-C/SIGTERM and `--time_limit=MINUTES` finish the step, save and print the command that continues.
+In this file, top down: the LR schedule, setup() and its parts, the loop, the periodic work it calls, main.
 """
 import dataclasses
 import json
@@ -22,7 +23,6 @@ import os
 import signal
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +41,10 @@ from config import FIELDS, Config, asked_and_resolved, help_text, oddities, pars
 from data import TokenLoader, shard_paths
 from distributed import DistEnv, agree
 from fileio import UserError, fail, write_json
+from guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s of matplotlib), and at the end
-OUTLIER_WINDOW = 128  # steps of history for the outlier test (llm.c's window)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # -----------------------------------------------------------------------------
 # learning rate schedule: linear warmup, then cosine decay to min_lr at max_steps
@@ -103,10 +102,6 @@ def run_out_dir(cfg, given):
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
         return os.path.join("out", os.path.splitext(name)[0] or "data")
     return cfg.out_dir
-
-
-def finished(ckpt, max_steps):
-    return ckpt is not None and (ckpt["step"] > max_steps or ckpt["step"] == max_steps and ckpt.get("evals_done", True))
 
 
 def load_model(cfg, ckpt, verbose):
@@ -205,17 +200,6 @@ def place_model(cfg, ckpt, seq_len, plan, env, say):
     return raw_model, off
 
 
-def restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say):
-    """The state a checkpoint continues from: optimizers, loss scale, data position, RNG."""
-    from sharding import load_optimizer_state
-    load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
-    if ckpt["scaler"] and plan.grad_scaler:
-        scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(ckpt["loader"])
-    checkpoint.set_rng_state(ckpt["rng"], plan.device)
-    say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
-
-
 def setup(cfg, given, env, say, lock):
     """Every decision of the run, once, in execution order. Returns the frozen Run, or None when the
     out_dir holds a finished run (nothing to do)."""
@@ -230,7 +214,7 @@ def setup(cfg, given, env, say, lock):
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
-    if finished(ckpt, cfg.max_steps):
+    if checkpoint.finished(ckpt, cfg.max_steps):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
@@ -268,7 +252,8 @@ def setup(cfg, given, env, say, lock):
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                              shuffle=False) if cfg.eval_interval > 0 else None
     if ckpt is not None:
-        restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say)
+        checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
+        say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
 
     # what the run resolved, beside what was asked (the model decides its shape)
     decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
@@ -279,44 +264,12 @@ def setup(cfg, given, env, say, lock):
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
                train_loader=train_loader, val_loader=val_loader, data_dir=data_dir, start_step=ckpt["step"] if ckpt else 0,
-               evals_done_at=ckpt["step"] if ckpt is not None and ckpt.get("evals_done", True) else -1,
+               evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started)
 
 # -----------------------------------------------------------------------------
-# periodic work: evaluation, HellaSwag, samples, checkpoints
-
-
-@torch.no_grad()
-def evaluate(run, loader):
-    """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
-    run.model.eval()
-    loader.reset()
-    total = torch.zeros((), device=run.plan.device)
-    for _ in range(run.cfg.val_steps):
-        x, y = loader.next_batch(run.plan.device)  # (B, T), (B, T)
-        with precision.autocast(run.plan):
-            _, loss = run.model(x, y)
-        total += loss.float()
-    if run.env.world_size > 1:
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-    run.model.train()
-    return total.item() / (run.cfg.val_steps * run.env.world_size)  # sync: once per eval
-
-
-def sample(run):
-    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
-    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from tokenizer import get_encoding
-    cfg, device, enc = run.cfg, run.plan.device, get_encoding()
-    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
-    idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
-    run.raw_model.eval()
-    with precision.autocast(run.plan):
-        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
-    run.raw_model.train()
-    return [enc.decode(row.tolist()) for row in out]
+# the training loop
 
 
 @dataclass
@@ -331,137 +284,11 @@ class Progress:
     warned_grace: bool = False
 
 
-def periodic(run, step, last, say, runlog, progress):
-    """The evals, HellaSwag and samples due at this step (rank 0 logs them)."""
-    cfg = run.cfg
-    if step == run.evals_done_at:  # the resumed checkpoint ran them already
-        return
-    due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
-    if due(cfg.eval_interval):
-        val_loss = evaluate(run, run.val_loader)
-        say(f"step {step:6d} | val loss {val_loss:.4f}")
-        runlog and runlog.write({"step": step, "val_loss": val_loss})
-    if run.hellaswag and due(cfg.hellaswag_interval):
-        hellaswag, examples = run.hellaswag
-        res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
-                                 world_size=run.env.world_size, progress=run.env.master)
-        say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
-        runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
-    evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
-    if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
-        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
-        progress.plotted_at = time.time()
-    if run.env.master and step > 0 and due(cfg.sample_interval):
-        for text in sample(run):
-            say(f"sample: {text!r}")
-
-
-def save(run, step, progress, guard, say, evals_done=True):
-    """Every rank checks that the state is finite (so that all stop alike); rank 0 writes the checkpoint,
-    then deletes those keep_last no longer keeps. Returns its path."""
-    if not checkpoint.finite_state(run.raw_model, run.optimizers, run.plan.device):
-        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
-                       f"so it is not written: the run diverged (newest checkpoint: {progress.newest or 'none'}); "
-                       f"{remedy(run.cfg)}")
-    t = time.time()
-    path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
-    checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
-                               run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
-                               guard=guard.state_dict())
-    if run.env.master:
-        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
-        say(f"step {step:6d} | saved {path}")
-    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
-    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
-    if note and not progress.warned_grace:  # once a run
-        progress.warned_grace = True
-        say(note)
-    return path
-
-# -----------------------------------------------------------------------------
-# surviving the session: signals, the time limit, divergence, out of memory
-
-
-class Diverged(Exception):
-    """The run cannot go on (steps skipped in a row, non-finite weights): one line, exit code 3."""
-
-
-class Stopped(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: quit now, without saving."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def remedy(cfg):
-    """What to try after a divergence, for this config."""
-    clip = "lower grad_clip (e.g. 0.5)" if cfg.grad_clip > 0 else "set grad_clip=1.0"
-    return f"lower max_lr{' and muon_lr' if cfg.optimizer == 'muon' else ''} or {clip} and start again"
-
-
-def catch_stop_signals():
-    """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
-    current optimizer step and saves); a second one raises Stopped wherever the loop is (a save in
-    progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores both
-    once its last checkpoint is written; main() puts the previous handlers back. The handler prints
-    nothing: a print inside it can collide with one in progress."""
-    got = []
-
-    def handler(signum, frame):
-        if got:
-            raise Stopped(signum)
-        got.append(signum)
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
-    return got
-
-
-class Guard:
-    """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops the
-    run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient norm
-    is more than z standard deviations above its mean over the last OUTLIER_WINDOW steps (the test
-    starts once the window is full; every finite step goes into it, llm.c-style, so a lasting shift
-    is absorbed). Its state is saved in checkpoints: a resumed run skips the same steps."""
-
-    def __init__(self, z, max_skipped, state=None):
-        self.z, self.max_skipped = z, max_skipped
-        state = state or {}
-        self.history = {k: deque(state.get(k, []), maxlen=OUTLIER_WINDOW) for k in ("loss", "norm")}
-        self.in_a_row = state.get("in_a_row", 0)
-
-    def is_outlier(self, loss, norm):
-        return self.z > 0 and any(zscore(self.history[k], v) > self.z for k, v in (("loss", loss), ("norm", norm)))
-
-    def update(self, loss, norm, applied):
-        """After a step: True when it was the max_skipped-th skipped in a row."""
-        if math.isfinite(loss) and math.isfinite(norm):
-            self.history["loss"].append(loss)
-            self.history["norm"].append(norm)
-        self.in_a_row = 0 if applied else self.in_a_row + 1
-        return 0 < self.max_skipped <= self.in_a_row
-
-    def state_dict(self):
-        return {"loss": list(self.history["loss"]), "norm": list(self.history["norm"]), "in_a_row": self.in_a_row}
-
-
-def zscore(window, x):
-    """How many standard deviations x is above the window's mean; 0 until the window is full."""
-    if len(window) < window.maxlen:
-        return 0.0
-    mean = sum(window) / len(window)
-    std = math.sqrt(sum((v - mean) ** 2 for v in window) / len(window))
-    return (x - mean) / std if std > 0 else 0.0
-
-
-# -----------------------------------------------------------------------------
-# the training loop
-
-
 def train(run, argv, say):
     cfg, env = run.cfg, run.env
     say(json.dumps(dataclasses.asdict(cfg), indent=2))
-    say(f"{run.raw_model.num_params(non_embedding=False):,} parameters | {run.tokens_per_step:,} tokens per step = "
+    n_params = run.raw_model.num_params(non_embedding=False)
+    say(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = "
         f"{run.B} x {run.T} x {env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | {cfg.max_steps} steps")
     runlog = None  # rank 0's: log.jsonl, and TensorBoard / W&B when asked (logger.py)
     if env.master:
@@ -471,7 +298,7 @@ def train(run, argv, say):
     timer, flops_tok = logger.StepTimer(), flops_per_token(run.raw_model, run.T)
     guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state)
     deadline = run.started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf
-    progress = Progress(run.newest, time.time(), run.raw_model.num_params(non_embedding=False) * 12 / 100e6)
+    progress = Progress(run.newest, time.time(), n_params * 12 / 100e6)  # a first guess at a save's seconds
     code, clock_due, signals = 0, False, catch_stop_signals()
     for step in range(run.start_step, cfg.max_steps + 1):
         t_iter, last = time.time(), step == cfg.max_steps
@@ -544,6 +371,89 @@ def log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog):
     runlog.write({"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
                  mfu=mfu, **logger.memory_stats(run.plan.device))
+
+# -----------------------------------------------------------------------------
+# periodic work: evaluation, HellaSwag, samples, checkpoints
+
+
+@torch.no_grad()
+def evaluate(run, loader):
+    """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
+    run.model.eval()
+    loader.reset()
+    total = torch.zeros((), device=run.plan.device)
+    for _ in range(run.cfg.val_steps):
+        x, y = loader.next_batch(run.plan.device)  # (B, T), (B, T)
+        with precision.autocast(run.plan):
+            _, loss = run.model(x, y)
+        total += loss.float()
+    if run.env.world_size > 1:
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+    run.model.train()
+    return total.item() / (run.cfg.val_steps * run.env.world_size)  # sync: once per eval
+
+
+def sample(run):
+    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
+    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
+    from tokenizer import get_encoding
+    cfg, device, enc = run.cfg, run.plan.device, get_encoding()
+    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
+    idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
+    run.raw_model.eval()
+    with precision.autocast(run.plan):
+        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    run.raw_model.train()
+    return [enc.decode(row.tolist()) for row in out]
+
+
+def periodic(run, step, last, say, runlog, progress):
+    """The evals, HellaSwag and samples due at this step (rank 0 logs them)."""
+    cfg = run.cfg
+    if step == run.evals_done_at:  # the resumed checkpoint ran them already
+        return
+    due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
+    if due(cfg.eval_interval):
+        val_loss = evaluate(run, run.val_loader)
+        say(f"step {step:6d} | val loss {val_loss:.4f}")
+        runlog and runlog.write({"step": step, "val_loss": val_loss})
+    if run.hellaswag and due(cfg.hellaswag_interval):
+        hellaswag, examples = run.hellaswag
+        res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
+                                 world_size=run.env.world_size, progress=run.env.master)
+        say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
+        runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+    evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
+    if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
+        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
+        progress.plotted_at = time.time()
+    if run.env.master and step > 0 and due(cfg.sample_interval):
+        for text in sample(run):
+            say(f"sample: {text!r}")
+
+
+def save(run, step, progress, guard, say, evals_done=True):
+    """Every rank checks that the state is finite (so that all stop alike); rank 0 writes the checkpoint,
+    then deletes those keep_last no longer keeps. Returns its path."""
+    if not checkpoint.finite_state(run.raw_model, run.optimizers, run.plan.device):
+        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
+                       f"so it is not written: the run diverged (newest checkpoint: {progress.newest or 'none'}); "
+                       f"{remedy(run.cfg)}")
+    t = time.time()
+    path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
+    checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
+                               run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
+                               guard=guard.state_dict())
+    if run.env.master:
+        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
+        say(f"step {step:6d} | saved {path}")
+    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
+    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
+    if note and not progress.warned_grace:  # once a run
+        progress.warned_grace = True
+        say(note)
+    return path
 
 # -----------------------------------------------------------------------------
 # main: parse, set up, train; every failure one line and an exit code

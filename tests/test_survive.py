@@ -17,12 +17,13 @@ import time
 import pytest
 import torch
 
+import guard
 import precision
-import train_gpt2
 from test_train import load_ckpt, tiny_args, tiny_model
 from data import TokenLoader
 from precision import accumulate_gradients, make_plan, optimizer_step
-from train_gpt2 import Guard, main
+from guard import Guard
+from train_gpt2 import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -401,7 +402,7 @@ def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, 
 
 def test_guard_flags_outliers_once_its_window_is_full():
     g = Guard(z=4.0, max_skipped=3)
-    for i in range(train_gpt2.OUTLIER_WINDOW - 1):
+    for i in range(guard.OUTLIER_WINDOW - 1):
         assert not g.is_outlier(100.0, 100.0)  # too little history: nothing is an outlier
         assert not g.update(1.0 + 0.01 * (i % 7), 0.5 + 0.01 * (i % 5), applied=True)
     g.update(1.0, 0.5, applied=True)
@@ -411,7 +412,7 @@ def test_guard_flags_outliers_once_its_window_is_full():
     again = Guard(z=4.0, max_skipped=3, state=g.state_dict())
     assert again.state_dict() == g.state_dict() and again.is_outlier(1.5, 0.5)
     assert [g.update(float("nan"), 1.0, applied=False) for _ in range(3)] == [False, False, True]
-    assert len(g.history["loss"]) == train_gpt2.OUTLIER_WINDOW and not g.update(1.0, 0.5, applied=True)
+    assert len(g.history["loss"]) == guard.OUTLIER_WINDOW and not g.update(1.0, 0.5, applied=True)
 
 
 @pytest.mark.parametrize("prec", ["fp16", "fp32"])
@@ -438,7 +439,7 @@ def test_outlier_step_is_skipped(prec, data_dir):
 def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):
     """A gradient spike at step 6 (gradients x 1000) is skipped when skip_outliers_z is set: the
     weights after step 6 are those before it, and the guard's history is in the checkpoint."""
-    monkeypatch.setattr(train_gpt2, "OUTLIER_WINDOW", 4)
+    monkeypatch.setattr(guard, "OUTLIER_WINDOW", 4)
     real, n = precision.accumulate_gradients, [0]
 
     def spiky(model, *a, **k):
