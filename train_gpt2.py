@@ -211,7 +211,7 @@ def restore(ckpt, raw_model, optimizers, scaler, train_loader, plan, say):
     load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
     if ckpt["scaler"] and plan.grad_scaler:
         scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(ckpt["loader"])
+    train_loader.load_state_dict(ckpt["loader"], ckpt["path"])  # other data: one line with the ways on
     checkpoint.set_rng_state(ckpt["rng"], plan.device)
     say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
 
