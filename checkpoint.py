@@ -174,7 +174,7 @@ def restore(ckpt, raw_model, optimizers, scaler, loader, device):
     load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
     if ckpt["scaler"] and scaler.is_enabled():  # (the GradScaler is enabled for fp16 plans only)
         scaler.load_state_dict(ckpt["scaler"])
-    loader.load_state_dict(ckpt["loader"])
+    loader.load_state_dict(ckpt["loader"], ckpt["path"])  # other data: one line with the ways on
     set_rng_state(ckpt["rng"], device)
 
 
@@ -228,7 +228,7 @@ class OutDirLock:
 
     def __init__(self):
         self.out_dir = self.path = None
-        self.made_dir, self._stop, self._thread = False, threading.Event(), None
+        self.made_dirs, self._stop, self._thread = [], threading.Event(), None
         self.me = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
                    "process_start": _process_start(os.getpid()) or "",
                    "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
@@ -253,9 +253,13 @@ class OutDirLock:
     def acquire(self, out_dir):
         """Take out_dir's lock or raise UserError naming the live holder. Idempotent for this process."""
         self.out_dir, self.path = out_dir, os.path.join(out_dir, "run.lock")
-        if not os.path.isdir(self.out_dir):
+        missing, d = [], os.path.abspath(out_dir)
+        while not os.path.isdir(d) and os.path.dirname(d) != d:  # the folders this run makes: out/my_book, out
+            missing.append(d)
+            d = os.path.dirname(d)
+        if missing:
             os.makedirs(self.out_dir)
-            self.made_dir = True
+            self.made_dirs = missing
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
@@ -289,7 +293,7 @@ class OutDirLock:
                 pass
 
     def release(self):
-        """Remove the lock if it is still ours (and out_dir, if this run made it and left it empty)."""
+        """Remove the lock if it is still ours (and the folders this run made for out_dir, left empty)."""
         self._stop.set()
         if self.path is None:
             return
@@ -300,8 +304,8 @@ class OutDirLock:
                 os.remove(self.path)
         except (OSError, ValueError):
             pass
-        if self.made_dir:
+        for d in self.made_dirs:  # deepest first; one that holds anything stays, and so do those above it
             try:
-                os.rmdir(self.out_dir)
+                os.rmdir(d)
             except OSError:
-                pass
+                break

@@ -149,14 +149,18 @@ class TokenLoader:
         return {"seq_len": self.T, "shuffle": self.shuffle, "seed": self.seed, "n_tokens": self.n_tokens,
                 "shards": [os.path.basename(p) for p in self.paths]}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, ckpt_path=None):
+        """Continue from a checkpoint's position; one it does not describe (other data, another order) is
+        refused with the ways on: its own data, or a new run (from scratch or from its weights, ckpt_path)."""
         theirs = {k: state.get(k) for k in self.identity()}
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
             what = f"{len(state.get('shards') or [])} shards, {state.get('n_tokens')} tokens" \
                 if key in ("shards", "n_tokens") else f"{key}={theirs[key]!r}, this run {self.identity()[key]!r}"
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
-                            "resume with the data and the seq_len, shuffle and seed it was trained with")
+                            "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
+                            "this data in a new run: --out_dir=<a new folder>, from its weights with "
+                            f"--init_from={ckpt_path or '<its ckpt_*.pt>'} --out_dir=<a new folder>")
         self.epoch, self.pos = state["epoch"], state["pos"]
 
 # -----------------------------------------------------------------------------

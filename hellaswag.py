@@ -3,6 +3,7 @@ HellaSwag, zero-shot and completion style: which of 4 endings does the model fin
 
     python hellaswag.py --model gpt2                    # downloads hellaswag_val.jsonl once (10,042 rows)
     python hellaswag.py --model out/ckpt_019073.pt      # one of train_gpt2.py's checkpoints
+    python hellaswag.py --model out/gpt2_124m           # a run's folder: its newest checkpoint
     python hellaswag.py --model out/hf --data rows.jsonl --limit 500 --json result.json
     python hellaswag.py --bench                         # batched vs one-example-at-a-time, examples/s
     python hellaswag.py --model gpt2 --compile          # as in training: compiled, packed rows at one fixed shape
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 import precision
 from fileio import ArgumentParser, UserError, check_output_file, fail, write_json
-from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig
+from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig, newest_checkpoint
 from tokenizer import get_encoding
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
@@ -373,13 +374,16 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
 
 
 def load_model(name_or_path):
-    """A GPT-2 name (Hugging Face hub), a save_pretrained directory, or a train_gpt2.py checkpoint."""
+    """A GPT-2 name (Hugging Face hub), a save_pretrained directory, a train_gpt2.py checkpoint, or a run's
+    out_dir (its newest checkpoint)."""
+    path = newest_checkpoint(name_or_path)
     if name_or_path in PRETRAINED:
         from huggingface_hub.constants import HF_HUB_CACHE
         print(f"model: {name_or_path} from the Hugging Face hub, cached under {HF_HUB_CACHE}")
     else:
-        print(f"model: {name_or_path}")
-    return GPT.load(name_or_path)
+        run = f" (the newest checkpoint in the run folder {name_or_path})" if path != name_or_path else ""
+        print(f"model: {path}{run}")
+    return GPT.load(path)
 
 
 def synthetic_rows(n, seed=0):
@@ -426,7 +430,8 @@ def bench(model, examples, plan, batch_size):
 def main(argv=None):
     p = ArgumentParser(prog="hellaswag.py", description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
     p.add_argument("--model", default=None,
-                   help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, or a ckpt_*.pt")
+                   help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, a ckpt_*.pt, "
+                        "or a run's out_dir (its newest ckpt_*.pt)")
     p.add_argument("--split", default="val", choices=SPLITS)
     p.add_argument("--data", default=None, help="a local jsonl file in the HellaSwag format (works offline)")
     p.add_argument("--data_dir", default=DEFAULT_DIR, help="where the downloaded split is cached")

@@ -347,6 +347,15 @@ def check_config(config, state_dict):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
 
+def newest_checkpoint(spec):
+    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
+    checkpoint, the highest step: sample.py and hellaswag.py take a run folder this way."""
+    if not os.path.isdir(spec):
+        return spec
+    steps = [(int(n[5:-3]), n) for n in os.listdir(spec) if re.fullmatch(r"ckpt_\d+\.pt", n)]
+    return os.path.join(spec, max(steps)[1]) if steps else spec
+
+
 def read_checkpoint(path, map_location="cpu"):
     """A checkpoint written by train_gpt2.py, as a dict of plain tensors and numbers (weights_only),
     or one UserError line for a missing, truncated or foreign file."""

@@ -3,6 +3,7 @@ Text from a GPT-2: one of train_gpt2.py's checkpoints, a save_pretrained directo
 or an OpenAI name (gpt2 .. gpt2-xl, from the Hugging Face hub on first use).
 
     python sample.py --model out/gpt2_124m/ckpt_019073.pt --prompt "Hello, I'm a language model,"
+    python sample.py --model out/quickstart --prompt "def"          # a run's folder: its newest checkpoint
     python sample.py --model out/hf --prompt_file prompt.txt --num_samples 3 --max_new_tokens 200
     python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0     # greedy: one sample
 
@@ -19,7 +20,7 @@ import torch
 
 import precision
 from fileio import ArgumentParser, UserError, fail
-from model import GPT
+from model import GPT, newest_checkpoint
 from tokenizer import EOT, get_encoding
 
 # -----------------------------------------------------------------------------
@@ -70,7 +71,8 @@ def read_prompt(args, enc):
 
 def main(argv=None):
     p = ArgumentParser(prog="sample.py", description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
-    p.add_argument("--model", required=True, help="a ckpt_*.pt, a save_pretrained directory, or gpt2 .. gpt2-xl")
+    p.add_argument("--model", required=True,
+                   help="a ckpt_*.pt, a run's out_dir (its newest ckpt), a save_pretrained directory, or gpt2 .. gpt2-xl")
     p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
     p.add_argument("--num_samples", type=int, default=3)
@@ -92,7 +94,10 @@ def main(argv=None):
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
         plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
-        model = GPT.load(args.model, verbose=False)
+        path = newest_checkpoint(args.model)  # a run's out_dir: its newest ckpt_*.pt
+        if path != args.model:
+            say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, {path}")
+        model = GPT.load(path, verbose=False)
         if model.config.vocab_size < enc.n_vocab:
             raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {enc.n_vocab} tokens")
     except (UserError, OSError) as e:

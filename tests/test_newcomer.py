@@ -1,0 +1,166 @@
+"""The smaller things a new user met (issue 24), each the way a nanoGPT user would expect: what contradicts
+itself refused (one line, exit 2, nothing written), what is merely odd warned; the divergence advice fits the
+config; nanoGPT's key names point to ours; --model takes a run folder; --help uses the terminal's width; a
+text too small for the run leaves nothing behind.
+
+(Elsewhere: `python model.py --help` in test_model.py::test_help_from_the_command_line, `sample.py
+--temperature 0` in test_sample.py::test_greedy_equals_hf_generate, `fineweb.py --source FOLDER` in
+test_fineweb.py::test_a_folder_source_reads_its_text_files.)
+
+    python -m pytest -q tests/test_newcomer.py
+"""
+import json
+import os
+
+import pytest
+
+import config
+import hellaswag
+import sample
+import train_gpt2
+from config import Config, parse_args
+from fileio import UserError
+
+ROW = {"ctx": "A man is sitting on a roof. He", "label": 0,
+       "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                   "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}
+
+
+def tiny(data_dir, out_dir, **over):
+    """test_train's tiny run (1 layer, 32 wide, 64-token vocab) as --key=value arguments."""
+    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
+                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
+                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
+                checkpoint_interval=4, seed=0)
+    args.update(over)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def error_line(capsys):
+    """The one `error: ...` line on stderr, last (after a progress bar, if any), or AssertionError."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and sum(line.startswith("error") for line in lines) == 1, lines
+    return lines[-1]
+
+# -----------------------------------------------------------------------------
+# the learning-rate schedule: contradictory is refused, odd is warned
+
+
+def test_min_lr_above_max_lr_is_refused_before_anything_is_written(data_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny(data_dir, str(out), max_lr=1e-4, min_lr=1e-3)) == 2
+    assert error_line(capsys) == ("error: min_lr=0.001 is above max_lr=0.0001: the cosine decays from max_lr down to "
+                                  "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
+    assert not out.exists()
+    parse_args(["--max_lr=1e-3", "--min_lr=1e-3"])  # equal: a constant learning rate, fine
+
+
+def test_warmup_not_below_max_steps_is_warned_and_runs(data_dir, tmp_path, capsys):
+    """configs/gpt2_124m.py --max_steps=100 (the README's try-out) warms up over 715 steps: odd, not wrong."""
+    assert train_gpt2.main(tiny(data_dir, str(tmp_path / "out"), warmup_steps=8, max_steps=8)) == 0
+    out = capsys.readouterr().out
+    assert ("warning: warmup_steps=8 is not below max_steps=8: the learning rate never reaches max_lr and never "
+            "decays") in out
+    assert config.oddities(Config(warmup_steps=715, max_steps=100))
+    assert not config.oddities(Config(warmup_steps=99, max_steps=100))
+
+# -----------------------------------------------------------------------------
+# divergence: the advice fits the config
+
+
+def test_divergence_advice_never_says_set_grad_clip_when_it_is_set(data_dir, tmp_path, capsys):
+    assert train_gpt2.main(tiny(data_dir, str(tmp_path / "out"), max_lr=1e20, min_lr=1e20, max_steps=20,
+                                max_skipped=3, grad_clip=1.0, checkpoint_interval=0)) == 3
+    err = error_line(capsys)
+    assert err.startswith("error: the run diverged") and "lower grad_clip (e.g. 0.5)" in err
+    assert "set grad_clip" not in err
+    assert train_gpt2.remedy(Config(grad_clip=0.0)) == "lower max_lr or set grad_clip=1.0 and start again"
+    assert train_gpt2.remedy(Config(grad_clip=1.0, optimizer="muon")) == \
+        "lower max_lr and muon_lr or lower grad_clip (e.g. 0.5) and start again"
+
+# -----------------------------------------------------------------------------
+# nanoGPT's names
+
+
+@pytest.mark.parametrize("name, ours", [("learning_rate", "max_lr"), ("batch_size", "micro_batch_size"),
+                                        ("max_iters", "max_steps"),
+                                        ("gradient_accumulation_steps", "total_batch_size")])
+def test_nanogpt_names_get_a_did_you_mean(name, ours, tmp_path, capsys):
+    """On the command line and in a config file alike: one line naming our key, exit 2."""
+    with pytest.raises(UserError, match=f"unknown config key '{name}': here it is {ours}\\b"):
+        parse_args([f"--{name}=4"])
+    path = tmp_path / "mine.py"
+    path.write_text(f"{name} = 4\n")
+    with pytest.raises(UserError, match=f"unknown config key '{name}': here it is {ours}\\b"):
+        parse_args([str(path)])
+    assert train_gpt2.main([f"--{name}=4", f"--out_dir={tmp_path / 'out'}"]) == 2
+    assert f"here it is {ours}" in error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+# -----------------------------------------------------------------------------
+# --model RUN_DIR
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_dir, tmp_path_factory):
+    """A finished tiny run with GPT-2's vocabulary and two checkpoints, steps 2 and 3."""
+    out = str(tmp_path_factory.mktemp("run") / "out")
+    assert train_gpt2.main(tiny(data_dir, out, vocab_size=50304, max_steps=3, checkpoint_interval=2, keep_last=0,
+                                eval_interval=0)) == 0
+    assert sorted(f for f in os.listdir(out) if f.endswith(".pt")) == ["ckpt_000002.pt", "ckpt_000003.pt"]
+    return out
+
+
+def test_sample_takes_a_run_folders_newest_checkpoint(run_dir, capsys):
+    argv = ["--device", "cpu", "--prompt", "Hello", "--max_new_tokens", "5", "--temperature", "0"]
+    assert sample.main(["--model", os.path.join(run_dir, "ckpt_000003.pt"), *argv]) == 0
+    by_path = capsys.readouterr().out
+    assert sample.main(["--model", run_dir, *argv]) == 0
+    got = capsys.readouterr()
+    assert got.out == by_path
+    assert f"{run_dir} is a training run's folder: sampling from its newest checkpoint, " \
+        f"{os.path.join(run_dir, 'ckpt_000003.pt')}" in got.err
+
+
+def test_hellaswag_takes_a_run_folders_newest_checkpoint(run_dir, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW) + "\n")
+    results = []
+    for model in (os.path.join(run_dir, "ckpt_000003.pt"), run_dir):
+        out = tmp_path / f"{len(results)}.json"
+        assert hellaswag.main(["--model", model, "--data", str(rows), "--device", "cpu", "--json", str(out)]) == 0
+        results.append(json.load(open(out)))
+    assert results[0] == results[1]
+    assert f"model: {os.path.join(run_dir, 'ckpt_000003.pt')} (the newest checkpoint in the run folder {run_dir})" \
+        in capsys.readouterr().out
+
+# -----------------------------------------------------------------------------
+# --help at the terminal's width
+
+
+@pytest.mark.parametrize("columns", [80, 132])
+def test_help_wraps_at_the_terminals_width(columns, monkeypatch):
+    """What wraps (the introduction, each key's meaning) fills the terminal's width, not a ~26-character column.
+    (The section titles, Config's comment lines, are printed as they are: up to 107 characters.)"""
+    monkeypatch.setenv("COLUMNS", str(columns))  # what shutil.get_terminal_size reads first
+    lines = config.help_text().splitlines()
+    wrapped = [line for line in lines if line.startswith(" ") or not line.endswith(":")]
+    assert max(len(line) for line in wrapped) <= columns
+    meaning = [line for line in lines if line.startswith("      ")]
+    assert max(len(line) for line in meaning) > columns - 20
+
+# -----------------------------------------------------------------------------
+# a text too small for the run: exit 2, nothing written
+
+
+def test_a_too_small_data_file_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """The trainer's own path for --data (out/<name>, its cache beside it in out/data_cache): a text whose val
+    split cannot hold one batch is refused with one line and the folder is as it was: no cache, no out/."""
+    (tmp_path / "short.txt").write_text("Once upon a time there was a short story. " * 40)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--data=short.txt", "--vocab_size=50304", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
+            "--seq_len=128", "--micro_batch_size=8", "--total_batch_size=1024", "--max_steps=2",
+            "--hellaswag_interval=0", "--sample_interval=0"]
+    assert train_gpt2.main(argv) == 2
+    assert "val split is" in error_line(capsys)
+    assert os.listdir(tmp_path) == ["short.txt"]
