@@ -23,7 +23,7 @@ import model as model_py
 import plot
 import sample
 import train_gpt2
-from test_train import ROOT, tiny_args, write_shards
+from conftest import ROOT, tiny_args, write_shards
 
 SCRIPTS = {"train": train_gpt2.main, "fineweb": fineweb.main, "hellaswag": hellaswag.main, "bench": bench.main,
            "sample": sample.main, "plot": plot.main, "export": lambda argv: model_py.main(["export", *argv])}

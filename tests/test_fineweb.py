@@ -11,18 +11,8 @@ import numpy as np
 import pytest
 
 import fineweb
+from conftest import DOCS, snapshot, write_txt
 from tokenizer import EOT, get_encoding
-
-DOCS = [
-    "Hello, I'm a language model, and this is the first document.\n",
-    "  leading spaces, trailing spaces and newlines   \n\n\n",
-    "Unicode: café, naïve, 日本語, emoji 🙂 and the dash — done.",
-    "A document that spells out <|endoftext|> must keep it as plain text.",
-    "\n",  # whitespace only
-    "Windows\r\nline\r\nendings\r\n" + "and a longer paragraph that spans many tokens. " * 12,
-    "x" * 300 + " " + "1234567890" * 7,
-    "The last one ends without a newline",
-]
 
 
 def reference(docs):
@@ -34,22 +24,8 @@ def reference(docs):
     return np.array(out, dtype=np.uint16)
 
 
-def write_txt(d, docs):
-    paths = []
-    for i, doc in enumerate(docs):
-        paths.append(str(d / f"doc{i:02d}.txt"))
-        with open(paths[-1], "w", encoding="utf-8", newline="") as f:
-            f.write(doc)
-    return paths
-
-
 def shards_in(out):
     return sorted(f for f in os.listdir(out) if f.endswith(".npy"))
-
-
-def snapshot(out):
-    """Every file in out_dir with its bytes."""
-    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
 
 
 def concat(out):

@@ -19,10 +19,7 @@ import logger
 import model as model_py
 import train_gpt2
 from model import GPT
-from test_export import random_model, save_ckpt
-from test_fineweb import DOCS, snapshot, write_txt
-from test_survive import assert_same_state
-from test_train import ROOT, tiny_args
+from conftest import DOCS, ROOT, assert_same_state, random_model, save_ckpt, snapshot, tiny_args, write_txt
 
 def failing_on(call, real, write_half):
     """A stand-in for a writer that behaves as `real` except on its call-th call, where it writes

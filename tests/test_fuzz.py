@@ -1,7 +1,7 @@
 """The parsers that read what users hand us, fuzzed with hypothesis: arbitrary strings and bytes are
 either accepted or refused with our one error type (fileio.UserError, one line), never anything else.
 
-    the --key=value and config-file parser   train_gpt2.parse_args / read_config_file
+    the --key=value and config-file parser   config.parse_args / read_config_file
     the HellaSwag row loader                 hellaswag.parse_row / load_examples
     the shard loader                         data.TokenLoader (load_shard)
     the checkpoint loader                    model.read_checkpoint / GPT.from_checkpoint
@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import config
 import fineweb
 import hellaswag
-import train_gpt2
+from conftest import write_shards
 from data import TokenLoader
 from fileio import UserError
 from model import GPT, GPTConfig, read_checkpoint
-from test_train import write_shards
 from tokenizer import get_encoding
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -44,7 +44,7 @@ def accepted_or_user_error(fn, *args):
 # -----------------------------------------------------------------------------
 # the trainer's config: --key=value arguments and config files
 
-KEYS = sorted(train_gpt2.FIELDS)
+KEYS = sorted(config.FIELDS)
 key = st.one_of(st.sampled_from(KEYS), st.text(max_size=12))
 value_text = st.one_of(st.text(max_size=20), st.sampled_from(["0", "-1", "1e999", "nan", "inf", "-inf", "auto", "true",
                                                               "yes", "1.5", "0x10", "1_000", "9" * 5000, ""]))
@@ -56,11 +56,11 @@ argument = st.one_of(st.builds(lambda k, v: f"--{k}={v}", key, value_text), st.b
 @given(argv=st.lists(argument, max_size=5))
 def test_command_line_is_parsed_or_refused(argv, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.getbasetemp())  # a bare word is a config file path: none of ours
-    result = accepted_or_user_error(train_gpt2.parse_args, argv)
+    result = accepted_or_user_error(config.parse_args, argv)
     if result is not None:
         cfg, given_keys = result
-        assert set(given_keys) <= set(train_gpt2.FIELDS)
-        assert isinstance(cfg, train_gpt2.Config)
+        assert set(given_keys) <= set(config.FIELDS)
+        assert isinstance(cfg, config.Config)
 
 
 python_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
@@ -77,7 +77,7 @@ def test_config_file_is_read_or_refused(text, tmp_path_factory):
     path = os.path.join(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()), "config.py")
     with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(text)
-    accepted_or_user_error(train_gpt2.parse_args, [path])
+    accepted_or_user_error(config.parse_args, [path])
 
 
 @FUZZ
@@ -86,7 +86,7 @@ def test_config_file_of_bytes_is_read_or_refused(data, tmp_path_factory):
     path = os.path.join(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()), "config.py")
     with open(path, "wb") as f:
         f.write(data)
-    accepted_or_user_error(train_gpt2.parse_args, [path])
+    accepted_or_user_error(config.parse_args, [path])
 
 # -----------------------------------------------------------------------------
 # HellaSwag rows

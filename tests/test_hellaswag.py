@@ -2,7 +2,6 @@ import io
 import json
 import math
 import os
-import random
 import urllib.error
 from dataclasses import asdict
 
@@ -14,34 +13,13 @@ import torch.multiprocessing as mp
 import hellaswag
 from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
                        packable, packed_len, rows_of, score_one)
+from conftest import make_rows, save_ckpt, write_rows
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import make_plan
 from tokenizer import get_encoding
 
 CPU = make_plan("cpu")
-
-WORDS = ("man woman dog ball kitchen knife water slowly quickly jumps runs paints wall car road tree "
-         "rope bike window table chair sings plays guitar piano holds lifts throws catches").split()
-
-
-def make_rows(n, seed=0, ctx_words=(3, 30), end_words=(1, 12)):
-    rng = random.Random(seed)
-    sent = lambda k: " ".join(rng.choices(WORDS, k=k)).capitalize() + "."  # noqa: E731
-    return [{"ind": i, "ctx": sent(rng.randint(*ctx_words)), "label": rng.randrange(4),
-             "endings": [sent(rng.randint(*end_words)) for _ in range(4)], "split": "val"} for i in range(n)]
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
-    return str(path)
-
-
-def save_ckpt(path, model):
-    torch.save({"model_args": asdict(model.config), "model": model.state_dict()}, path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
@@ -239,7 +217,7 @@ def test_acc_and_acc_norm_differ_when_length_matters(tmp_path, capsys):
     assert torch.allclose(s, torch.tensor([hi, hi + 5 * lo, 2 * hi, 3 * hi]), atol=1e-3)
     assert torch.allclose(m, torch.tensor([hi, (hi + 5 * lo) / 6, hi, hi]), atol=1e-3)
     # through the CLI, from one of our checkpoints
-    ckpt = save_ckpt(tmp_path / "ckpt_000010.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt_000010.pt")
     out = tmp_path / "res.json"
     assert hellaswag.main(["--model", ckpt, "--data", path, "--json", str(out), "--device", "cpu"]) == 0
     res = json.loads(out.read_text())
@@ -254,7 +232,7 @@ def test_acc_and_acc_norm_differ_when_length_matters(tmp_path, capsys):
 
 def test_cli_hf_dir_matches_checkpoint(hf_dir, model, examples, tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", make_rows(9))
-    ckpt = save_ckpt(tmp_path / "ckpt_000001.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt_000001.pt")
     outs = []
     for name in (hf_dir, ckpt):
         out = tmp_path / f"{len(outs)}.json"
@@ -382,7 +360,7 @@ def _worker(rank, world_size, ckpt, examples, init_file, out_dir):
 
 
 def test_two_process_gloo_equals_one_process(model, examples, tmp_path):
-    ckpt = save_ckpt(tmp_path / "ckpt.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt.pt")
     mp.spawn(_worker, args=(2, ckpt, examples, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     single = evaluate(model, examples, plan=CPU, batch_size=2)

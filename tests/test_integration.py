@@ -9,13 +9,11 @@ import numpy as np
 
 import fineweb
 import hellaswag
-from test_hellaswag import make_rows, write_rows
-from test_train import load_ckpt, read_log
+from conftest import ROOT, load_ckpt, make_rows, read_log, write_rows
 from tokenizer import EOT, get_encoding
 from data import TokenLoader
 from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"Document {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (5 + i % 7)) for i in range(40)]
 
 

@@ -8,9 +8,9 @@ import signal
 import sys
 import time
 
-from conftest import LaunchedTree, alive, free_port, torchrun_env, torchrun_workers, wait_for
+from conftest import (LaunchedTree, alive, free_port, load_ckpt, read_log, step_losses, tiny_args, torchrun_env,
+                      torchrun_workers, wait_for, write_shards)
 from model import read_checkpoint
-from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
 COMMON = dict(max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=0, max_lr=1e-3, min_lr=1e-4)

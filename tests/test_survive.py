@@ -19,12 +19,11 @@ import torch
 
 import precision
 import train_gpt2
-from test_train import load_ckpt, tiny_args, tiny_model
+from conftest import ROOT, assert_same_state, load_ckpt, tiny_args, tiny_model
 from data import TokenLoader
 from precision import accumulate_gradients, make_plan, optimizer_step
 from train_gpt2 import Guard, main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 DDP_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
@@ -51,14 +50,6 @@ def rows(out_dir):
 
 def ckpts(out_dir):
     return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
-
-
-def assert_same_state(path_a, path_b):
-    a, b = load_ckpt(path_a), load_ckpt(path_b)
-    assert a["step"] == b["step"] and a["loader"] == b["loader"]
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 @pytest.fixture(scope="module")

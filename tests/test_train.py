@@ -1,8 +1,7 @@
 """train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
-bit-exact resume, configs, and the one-line errors. Tiny models (1 layer, 32 wide, 64-token vocab)."""
+bit-exact resume, the one-line errors, the quickstart. Tiny models (1 layer, 32 wide, 64-token vocab).
+The config's own parsing is tests/test_config.py's; checkpoint files are tests/test_checkpoint.py's."""
 import copy
-import dataclasses
-import errno
 import json
 import math
 import os
@@ -14,51 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt2
-from model import GPT, GPTConfig
+from config import Config, parse_args
+from conftest import ROOT, load_ckpt, read_log, step_losses, tiny_args, tiny_model, write_shards
 from data import TokenLoader
-import checkpoint
+from model import GPT, GPTConfig
 from precision import accumulate_gradients, make_plan, optimizer_step
-from train_gpt2 import Config, get_lr, main, parse_args
+from train_gpt2 import get_lr, main
 
 CPU = make_plan("cpu")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_shards(data_dir, n_train=3000, n_val=600, vocab=64, seed=0):
-    """A learnable toy stream (a noisy +1 counter) split into a val shard and two train shards."""
-    rng = np.random.default_rng(seed)
-    n = n_train + n_val
-    tokens = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, vocab, n)) % vocab
-    tokens = tokens.astype(np.uint16)
-    os.makedirs(data_dir, exist_ok=True)
-    np.save(os.path.join(data_dir, "toy_val_000000.npy"), tokens[:n_val])
-    np.save(os.path.join(data_dir, "toy_train_000001.npy"), tokens[n_val:n_val + n_train // 2])
-    np.save(os.path.join(data_dir, "toy_train_000002.npy"), tokens[n_val + n_train // 2:])
-    return data_dir
-
-
-def tiny_args(data_dir, out_dir, **over):
-    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
-                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
-                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
-                checkpoint_interval=4, seed=0)
-    args.update(over)
-    return [f"--{k}={v}" for k, v in args.items()]
-
-
-def read_log(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def step_losses(out_dir):
-    return {e["step"]: e["loss"] for e in read_log(out_dir) if "loss" in e}
-
-
-def load_ckpt(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -138,45 +100,8 @@ def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
     assert all(abs(a[s] - b[s]) < 1e-5 for s in b)
 
 
-def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
-    """A save that dies half-way (a full disk) leaves the previous checkpoint intact and no debris, and
-    resume ignores what a killed machine leaves: a .tmp, a truncated checkpoint, a file of another name."""
-    good = os.path.join(straight_run, "ckpt_000008.pt")
-    path = str(tmp_path / "ckpt_000008.pt")
-    shutil.copy(good, path)
-    ckpt = load_ckpt(path)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-
-    def dying_save(obj, f):
-        f.write(b"half a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(torch, "save", dying_save)
-    loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
-    with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_checkpoint(path, model, [optimizer], torch.amp.GradScaler("cpu", enabled=False), 9,
-                                   dataclasses.asdict(Config()), loader, "cpu")
-    monkeypatch.undo()
-    assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone
-
-    # the debris of a killed machine, all holding or claiming steps newer than 8
-    shutil.copy(good, tmp_path / "ckpt_000004.pt")
-    torch.save({**ckpt, "step": 12}, tmp_path / "ckpt_000012.pt.tmp")  # complete, but never renamed
-    torch.save({**ckpt, "step": 13}, tmp_path / "ckpt_best.pt")  # a copy the user made: not ours to resume
-    data = open(good, "rb").read()
-    open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
-    warnings = []
-    assert checkpoint.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
-    assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
-
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
 
 
 def test_accumulated_gradients_equal_one_big_batch(data_dir):
@@ -274,33 +199,6 @@ def test_lr_schedule():
     assert get_lr(19073, cfg) == get_lr(50000, cfg) == 6e-5
     lrs = [get_lr(s, cfg) for s in range(715, 19073, 97)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after warmup
-
-# -----------------------------------------------------------------------------
-# config: defaults, files, the shipped configs
-
-
-def test_defaults_are_build_nanogpts_124m_recipe():
-    c = Config()
-    assert (c.total_batch_size, c.micro_batch_size, c.seq_len, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps,
-            c.weight_decay, c.grad_clip, c.vocab_size) == (524288, 64, 1024, 6e-4, 6e-5, 715, 19073, 0.1, 1.0, 50304)
-
-
-@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "finetune_gpt2", "quickstart"])
-def test_shipped_configs_parse(name):
-    cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
-    assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
-    assert cfg.min_lr == pytest.approx(cfg.max_lr / 10)
-    if name != "finetune_gpt2":
-        assert "n_layer" in given and cfg.n_embd % cfg.n_head == 0
-
-
-def test_config_file_then_override(tmp_path):
-    path = tmp_path / "c.py"
-    path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
-    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
-    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
-    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": "file", "seq_len": "file",
-                                                       "resume": "cli", "min_lr": "cli"}
 
 # -----------------------------------------------------------------------------
 # bad input: one line on stderr, exit code != 0

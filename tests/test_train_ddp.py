@@ -4,8 +4,7 @@ import json
 import os
 import sys
 
-from conftest import Launched, torchrun_env
-from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
+from conftest import Launched, load_ckpt, read_log, step_losses, tiny_args, torchrun_env, write_shards
 from train_gpt2 import main
 
 

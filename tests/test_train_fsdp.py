@@ -15,13 +15,11 @@ import torch
 
 import memory
 import optim
-import precision
+from conftest import ROOT, load_ckpt, read_log, step_losses, tiny_args, write_shards
 from model import GPT, GPTConfig
 from sharding import load_optimizer_state
-from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
               min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
 ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2, fsdp="true")  # val: the same 4 batches
