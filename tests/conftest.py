@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from model import GPT, GPTConfig  # noqa: E402 - after the repository root is on sys.path
+import precision  # noqa: E402 - the repository's modules: after its root is on sys.path
+from model import GPT, GPTConfig  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # toy token shards and tiny training runs
@@ -84,6 +85,18 @@ def random_model(vocab_size=50304, seed=0):
         for p in m.parameters():
             p.normal_(0.0, 0.1)
     return m
+
+
+def tiny_model_and_optimizer(vocab=256):
+    """A tiny GPT and its AdamW (the probes' and the benchmark's kind of model)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
+    return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+
+def cpu_plan(dtype):
+    """The CPU precision plan for a torch dtype (autocast to it below fp32)."""
+    return precision.make_plan("cpu", precision.dtype_name(dtype))
 
 
 def save_ckpt(model, path):
