@@ -48,22 +48,21 @@ def fake_gpu(monkeypatch, cap, name="NVIDIA Test GPU", memory=80 * 2**30):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=memory))
 
 
-@pytest.mark.parametrize("device,cap,prec,dtype,scaler", [
-    ("cuda:0", (9, 0), "auto", BF16, False),
-    ("cuda:0", (9, 0), "fp16", FP16, True),  # fp16 override: always with a GradScaler
-    ("cuda:0", (8, 0), "fp32", FP32, False),
-    ("cuda:0", (7, 5), "auto", FP16, True),
-    ("cuda:0", (7, 5), "fp32", FP32, False),
-    ("cuda:0", (6, 1), "fp16", FP16, True),
-    ("cpu", None, "fp16", FP16, True),
-    ("cpu", None, "bf16", BF16, False),
+@pytest.mark.parametrize("device,cap,prec,dtype,scaler,tf32", [  # TF32: sm80+ only, whatever the precision
+    ("cuda:0", (9, 0), "auto", BF16, False, True),
+    ("cuda:0", (9, 0), "fp16", FP16, True, True),  # fp16 override: always with a GradScaler
+    ("cuda:0", (8, 0), "fp32", FP32, False, True),
+    ("cuda:0", (7, 5), "auto", FP16, True, False),
+    ("cuda:0", (7, 5), "fp32", FP32, False, False),
+    ("cuda:0", (6, 1), "fp16", FP16, True, False),
+    ("cpu", None, "fp16", FP16, True, False),
+    ("cpu", None, "bf16", BF16, False, False),
 ])
-def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler):
+def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler, tf32):
     if cap:
         fake_gpu(monkeypatch, cap)
     plan = make_plan(device, prec)
-    assert (plan.dtype, plan.grad_scaler) == (dtype, scaler)
-    assert plan.tf32 == (cap is not None and cap[0] >= 8) and plan.capability == cap  # TF32: sm80+ only
+    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.capability) == (dtype, scaler, tf32, cap)
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1), (6, 0)])
