@@ -6,7 +6,7 @@ fitted to a GPU's memory, or probed on the GPU (micro_batch_size=auto).
     B, T, reason, model = choose_micro_batch(raw_model, optimizers, plan, ...)    # the trainer's one call
     python bench.py --memory | --fit | --find_batch                               # the reports
 
-Imports torch, precision, distributed and fileio only.
+Imports torch, model, precision, distributed and fileio only.
 """
 import dataclasses
 import gc
@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from distributed import agree
 from fileio import UserError
 from model import loss_chunk_rows, loss_head_temp_bytes
-from precision import (autocast, compile_model, compiles, fsdp_param_dtype, is_oom, synchronize,  # noqa: F401
-                       train_step)
+from precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
 
 # -----------------------------------------------------------------------------
 # memory: what a training step holds, estimated from the model's shape

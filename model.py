@@ -347,15 +347,15 @@ def check_config(config, state_dict):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
 
-def read_checkpoint(path, map_location="cpu"):
-    """A checkpoint written by train_gpt2.py, as a dict of plain tensors and numbers (weights_only),
+def read_checkpoint(path):
+    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
     or one UserError line for a missing, truncated or foreign file."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path!r} not found")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
         complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete else "not a complete torch.save file"

@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fileio import UserError
 
