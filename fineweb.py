@@ -154,7 +154,8 @@ def check_sources(paths):
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as e:  # pyarrow's errors: a truncated or foreign file
-                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out of --source") from None
+                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out "
+                                   "of --source") from None
             if rows == 0:  # datasets trips over these
                 raise FineWebError(f"{path} holds no rows; leave it out of --source")
 
@@ -181,7 +182,7 @@ def read_text_file(path):
         with opener(path, "rt", encoding="utf-8", newline="") as f:  # newline="": the text as it is, \r\n too
             return f.read()
     except UnicodeDecodeError as e:
-        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
     except (OSError, EOFError, lzma.LZMAError) as e:  # a truncated or corrupt .gz/.bz2/.xz
         raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of --source") from None
 
@@ -212,7 +213,7 @@ def load_stream(path, where, **kwargs):
     try:
         return datasets.load_dataset(path, streaming=True, **kwargs)
     except Exception as e:
-        raise FineWebError(f"could not open {where}: {one_line(e)}")
+        raise FineWebError(f"could not open {where}: {one_line(e)}") from None
 
 
 def one_line(e):
@@ -248,7 +249,8 @@ def iter_documents(args, skip=0):
         except Exception as e:  # a malformed file (exit 2), or the hub's network (exit 1): the shards so far are kept
             if kind == "hub":
                 raise ConnectionError(f"reading {where} failed ({one_line(e)}); the shards so far are kept") from None
-            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command again")
+            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command "
+                               "again") from None
 
 
 def batches(docs):

@@ -69,7 +69,8 @@ def read_prompt(args, enc):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="sample.py", description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
+    p = ArgumentParser(prog="sample.py",
+                       description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
     p.add_argument("--model", required=True, help="a ckpt_*.pt, a save_pretrained directory, or gpt2 .. gpt2-xl")
     p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
@@ -94,7 +95,8 @@ def main(argv=None):
         plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
         model = GPT.load(args.model, verbose=False)
         if model.config.vocab_size < enc.n_vocab:
-            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {enc.n_vocab} tokens")
+            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's "
+                            f"{enc.n_vocab} tokens")
     except (UserError, OSError) as e:
         return fail(e)
     model.to(plan.device).eval()

@@ -225,7 +225,8 @@ class Launched:
             raise AssertionError(f"still running after {timeout} s:\n{self.logs()}") from None
 
     def logs(self, tail=3000):
-        return "\n".join(open(os.path.join(self.log_dir, f"proc{i}.log")).read()[-tail:] for i in range(len(self.procs)))
+        paths = [os.path.join(self.log_dir, f"proc{i}.log") for i in range(len(self.procs))]
+        return "\n".join(open(path).read()[-tail:] for path in paths)
 
     def __exit__(self, *exc):
         import signal

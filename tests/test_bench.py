@@ -18,7 +18,8 @@ from model import GPT, GPTConfig
 from precision import default_plan
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
-RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW", "+chunked loss"]
+RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW",
+                 "+chunked loss"]
 OPTIONS_CPU = ["attention kernels", "micro-batch 16", "micro-batch 32", "micro-batch 64", "compile max-autotune"]
 
 # -----------------------------------------------------------------------------
@@ -59,8 +60,8 @@ def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
 
     def step():  # what torch.cuda's TORCH_WARN looks like from Python, twice from the same line
         for _ in range(2):
-            warnings.warn(bench.SYNC_WARNING)
-        warnings.warn("some other warning")
+            warnings.warn(bench.SYNC_WARNING, stacklevel=1)
+        warnings.warn("some other warning", stacklevel=1)
 
     assert bench.count_syncs(step, set_mode=modes.append) == 2
     assert modes == ["warn", "default"]
@@ -83,7 +84,7 @@ def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
     assert names[2] == autocast and names[4] == sdpa
     assert {name for name, _, reason, *_ in rungs if reason} == skipped
     assert not any(optional for *_, optional in rungs)
-    for name, _, reason, *_ in rungs:
+    for _, _, reason, *_ in rungs:
         if reason:
             assert f"sm{cap[0]}{cap[1]}" in reason
     if cap[0] == 7:
@@ -223,7 +224,8 @@ def test_checkpointing_keeps_only_block_inputs():
     kept = {}
     for mode in ("none", "blocks", "every_other"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C, activation_checkpointing=mode))
+        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C,
+                              activation_checkpointing=mode))
         x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
         kept[mode] = bench.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
         assert kept[mode] == live_after_forward(model, x, y)
@@ -248,7 +250,8 @@ def test_chunked_loss_lowers_the_step_peak():
 
 
 def test_memory_report_on_cpu_separates_every_part():
-    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4, fsdp=True)
+    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4,
+                                fsdp=True)
     text = "\n".join(lines)
     for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "step peak", "allocator",
                  "TF32 off vs on", "full loss, activation checkpointing every_other", "per rank, FSDP over 4"):

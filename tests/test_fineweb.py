@@ -34,6 +34,14 @@ def concat(out):
     return np.concatenate([np.load(os.path.join(out, n)) for n in order])
 
 
+def recording(write_shard, calls):
+    """write_shard that notes each file's name in calls first."""
+    def write(path, tokens):
+        calls.append(os.path.basename(path))
+        return write_shard(path, tokens)
+    return write
+
+
 def run_error(capsys, argv, code=2):
     """main(argv) must fail with exit code 2 (bad input; 1: the machine's failure) and exactly one
     'error: ...' line on stderr; returns that line."""
@@ -159,7 +167,7 @@ def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeyp
 
     # second interruption: a shard renamed into place, then killed before the manifest lists it
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
 
     def write_json_then_stop(path, obj):
         if len(obj["shards"]) == 5:
@@ -231,7 +239,7 @@ def test_val_fraction_takes_the_head_of_every_chunk(corpus, tmp_path, monkeypatc
     assert fineweb.main(argv + [out2]) == 130
     assert calls[-1] == "edufineweb_train_000002.npy"
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
     assert fineweb.main(argv + [out2]) == 0
     assert calls[0] == "edufineweb_val_000002.npy"  # chunks 0 and 1 kept, chunk 2 redone from its val part
     assert snapshot(out2) == done
@@ -380,7 +388,8 @@ def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
 
 def test_dataset_that_cannot_be_opened(tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
-    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"), "--num_proc", "1"])
+    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"),
+                              "--num_proc", "1"])
     assert "could not open" in line and "empty" in line
 
 

@@ -107,7 +107,8 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
                               atol=1e-4)
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [4, 4, 1] and res["truncated"] == 0
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
@@ -154,7 +155,8 @@ def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
     assert [packable(ex, 128) for ex in examples] == [False] * 3 + [True] * 2
     assert not any(rows_of(ex, 128)[2] for ex in examples)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [2] and res["truncated"] == 0 and res["n"] == 5
     loop = [score_one(model, ex) for ex in examples]
@@ -267,7 +269,8 @@ def test_compiled_model_packs_compiles_once_and_mode_is_restored(model, examples
     ref = evaluate(model, examples, plan=CPU, batch_size=4)  # eager, packed
     loop = [score_one(model, ex) for ex in examples]  # the one-example reference
     model.train()
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(shape) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(shape) or collate_packed(b, shape))
     first = evaluate(compiled, examples, plan=CPU, batch_size=4)  # 3 batches, the last one short
     assert model.training
     n_eval = len(graphs) - n_train

@@ -99,7 +99,8 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(data_dir, tmp_path, monkeyp
             runs.append((call[1], []))
         elif call[0] == "log":
             runs[-1][1].append(call[1])
-    assert [(kw.get("id"), kw.get("resume")) for kw, _ in runs] == [(None, None), ("run1", "allow"), (None, None), (None, None)]
+    assert [(kw.get("id"), kw.get("resume")) for kw, _ in runs] == \
+        [(None, None), ("run1", "allow"), (None, None), (None, None)]
     assert runs[0][1][0] == 0 and runs[1][1][0] == 2 and max(runs[1][1]) == 4  # steps 2-4 go on in run1
 
 

@@ -99,7 +99,8 @@ def test_explicit_causal_mask_equals_default(attn_impl):
     with torch.no_grad():
         ref = model.hidden_states(idx)
         assert torch.allclose(model.hidden_states(idx, attn_mask=causal), ref, atol=1e-5)
-        assert torch.allclose(model.hidden_states(idx, torch.arange(20).expand(2, 20), causal[None, None]), ref, atol=1e-5)
+        positions = torch.arange(20).expand(2, 20)
+        assert torch.allclose(model.hidden_states(idx, positions, causal[None, None]), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "naive"])
@@ -151,7 +152,9 @@ def test_decay_groups_are_exactly_2d(capsys):
     opt = model.configure_optimizers(0.1, 1e-3, "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    ids = lambda ps: {id(p) for p in ps}
+
+    def ids(ps):
+        return {id(p) for p in ps}
     two_d = {id(p) for p in model.parameters() if p.dim() == 2}
     assert ids(decay["params"]) == two_d
     assert ids(no_decay["params"]) == {id(p) for p in model.parameters() if p.dim() != 2}

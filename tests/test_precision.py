@@ -36,7 +36,8 @@ def test_cuda_plans(cap, dtype, scaler, tf32, compile_, attention, fit):
 @pytest.mark.parametrize("device", ["cpu", "mps"])
 def test_cpu_and_mps_plans_are_plain_fp32(device):
     plan = default_plan(device)
-    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile, plan.sdpa_backends) == (FP32, False, False, False, ())
+    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile, plan.sdpa_backends) == \
+        (FP32, False, False, False, ())
 
 # -----------------------------------------------------------------------------
 # user overrides on top of the plan
@@ -199,13 +200,14 @@ class Recorder:
         self.graphs = []
 
     def __call__(self, gm, example_inputs):
-        self.graphs.append(any(isinstance(s, torch.SymInt) for t in example_inputs if torch.is_tensor(t) for s in t.shape)
-                           or any(isinstance(t, torch.SymInt) for t in example_inputs))
+        sizes = [s for t in example_inputs if torch.is_tensor(t) for s in t.shape]
+        self.graphs.append(any(isinstance(s, torch.SymInt) for s in sizes + list(example_inputs)))
         return gm.forward
 
 
 def shape_sequence(model):
-    """What a run does: train at (4, 16), eval without grad at (4, 16), HellaSwag-like rows at other shapes, train again."""
+    """What a run does: train at (4, 16), eval without grad at (4, 16), HellaSwag-like rows at other shapes,
+    train again."""
     x = torch.randint(0, 64, (4, 16))
     model(x, x)[1].backward()
     with torch.no_grad():
@@ -287,7 +289,8 @@ def test_compile_probe_graph_serves_the_first_training_step():
     ("sm60", FP16, True, ("efficient", "math"), False, False, 16 * 2**30),  # P100: no Triton
     ("sm80", BF16, False, ("flash", "efficient", "math"), False, True, 40 * 2**30),
 ])
-def test_another_generations_plan_on_the_gpu_at_hand(monkeypatch, emulate, dtype, scaler, backends, fit, compiled, memory):
+def test_another_generations_plan_on_the_gpu_at_hand(monkeypatch, emulate, dtype, scaler, backends, fit, compiled,
+                                                     memory):
     fake_gpu(monkeypatch, (9, 0), name="NVIDIA H100 80GB HBM3")
     plan = make_plan("cuda:0", emulate=emulate)
     assert (plan.dtype, plan.grad_scaler, plan.sdpa_backends, plan.fit_to_memory, plan.compile) == \

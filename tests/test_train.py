@@ -66,7 +66,8 @@ def test_resume_is_bit_exact(straight_run, data_dir, tmp_path):
     resumed, straight = step_losses(out), step_losses(straight_run)
     assert sorted(resumed) == [4, 5, 6, 7]
     assert all(resumed[s] == straight[s] for s in resumed)  # bit-identical losses
-    assert [e["val_loss"] for e in log if "val_loss" in e] == [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    straight_vals = [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    assert [e["val_loss"] for e in log if "val_loss" in e] == straight_vals
     a, b = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit-identical weights
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
@@ -125,6 +126,11 @@ def test_next_micro_batch_is_read_before_the_backward(data_dir):
     assert events == ["read", "read", "backward", "read", "backward", "backward"]
 
 
+def step(model, optimizer, scaler, loss, grad_clip=1.0):
+    """The one optimizer step for model's AdamW alone, at the lr it was built with."""
+    return optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=grad_clip, lr_scale=1.0, loss=loss)
+
+
 def fp16_backward(model, scaler, data_dir):
     x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -139,7 +145,7 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1e-3, lr_scale=1.0, loss=torch.tensor(1.0))
+    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
     assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
@@ -152,14 +158,14 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0))
+    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0))
     assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert scaler.get_scale() == 32768.0  # backed off
     assert all(p.grad is None for p in model.parameters())
     fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0)).applied
+    assert step(model, optimizer, scaler, torch.tensor(1.0)).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -176,12 +182,12 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     else:
         loss = loss * float("inf")
     before = copy.deepcopy(model.state_dict())
-    loss, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss)
+    loss, norm, applied, _ = step(model, optimizer, scaler, loss)
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
     loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
-    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss).applied  # the next step goes on
+    assert step(model, optimizer, scaler, loss).applied  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -229,7 +235,8 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (["--n_head=3"], "n_embd=32 must be divisible by n_head=3"),
     (["--max_steps=0"], "max_steps must be at least 1"),
     (["--max_lr=-1"], "max_lr must not be negative"),
-    (lambda t: [f"--data_dir={t / 'nowhere'}"], "does not exist: make the token shards with `python fineweb.py --out_dir"),
+    (lambda t: [f"--data_dir={t / 'nowhere'}"],
+     "does not exist: make the token shards with `python fineweb.py --out_dir"),
     (lambda t: [f"--data_dir={t}"], "has no train shards (*train*.npy): make the token shards with `python fineweb.py"),
     (["--vocab_size=32", "--n_embd=32"], "token id"),
     (lambda t: [f"--data_dir={bad_config(t, 'text')}"], "is a file; data_dir is a folder of token shards: to train on "
@@ -237,7 +244,8 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [f"--data={t / 'my_book.txt'}"], "my_book.txt: no such file or folder"),
     (["--init_from=/no/such/dir"], "'/no/such/dir' is not scratch, a GPT-2 name"),
     (["--init_from=/no/such/ckpt.pt"], "checkpoint '/no/such/ckpt.pt' not found"),
-    (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"], "bad.py is not a readable train_gpt2.py checkpoint"),
+    (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"],
+     "bad.py is not a readable train_gpt2.py checkpoint"),
     (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
 ]
 
@@ -302,7 +310,8 @@ def test_quickstart_never_writes_into_a_folder_of_yours(tmp_path, capsys):
     mine = tmp_path / "my_texts"
     mine.mkdir()
     (mine / "book.txt").write_text("Call me Ishmael. " * 500)
-    args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={mine}", f"--out_dir={tmp_path / 'out'}", *QUICK]
+    args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={mine}", f"--out_dir={tmp_path / 'out'}",
+            *QUICK]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
@@ -336,8 +345,8 @@ def test_auto_micro_batch_falls_back_on_cpu_and_memory_line(data_dir, tmp_path, 
     assert "micro_batch_size=auto needs CUDA; on cpu using the default micro_batch 64" in printed
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["resolved"]["micro_batch_size"] == 64
-    line = next(l for l in printed.splitlines() if l.startswith("memory: "))
-    n = sum(p.numel() for p in GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).parameters())
+    line = next(line for line in printed.splitlines() if line.startswith("memory: "))
+    n = sum(p.numel() for p in tiny_model().parameters())  # the run's model: 1 layer, 32 wide, 64-token vocab
     assert f"params {n * 4 / 2**10:.1f} KiB" in line and f"grads {n * 4 / 2**10:.1f} KiB" in line
     assert "optimizer state" in line and "activations" in line
 

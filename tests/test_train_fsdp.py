@@ -42,8 +42,9 @@ def run_ranks(args, out_dir, world_size=2, timeout=150):
         for rank in range(world_size):
             log = open(os.path.join(out_dir, f"rank{rank}.txt"), "w+")
             logs.append(log)
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
             procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+                                          stderr=subprocess.STDOUT, env=rank_env))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
