@@ -100,7 +100,8 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
         rungs.append((f"attention {'/'.join(order)}", {"sdpa_backends": order}, gpu_only,
                       f"vs {'/'.join(backends)}: {order[0]} first", True))
     if not others:
-        reason = gpu_only or f"the precision plan for {where_label(device_type, capability)} has one kernel ({'/'.join(backends)})"
+        where = where_label(device_type, capability)
+        reason = gpu_only or f"the precision plan for {where} has one kernel ({'/'.join(backends)})"
         rungs.append(("attention kernels", {}, reason, "", True))
     for b in MICRO_BATCHES:
         if b != micro_batch:
@@ -214,8 +215,9 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     x, y = random_batch(settings.get("micro_batch", micro_batch), seq_len, device)
     ms = 1000 * time_steps(model, optimizers, scaler, x, y, plan, warmup, steps)
-    peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device_type == "cuda" else (None, None)
-    syncs = count_syncs(lambda: train_step(model, optimizers, scaler, x, y, plan)) if device_type == "cuda" else None
+    cuda = device_type == "cuda"
+    peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else (None, None)
+    syncs = count_syncs(lambda: train_step(model, optimizers, scaler, x, y, plan)) if cuda else None
     fpt = flops_per_token(raw, seq_len)
     return ms, fpt, peak, syncs
 
@@ -234,7 +236,8 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
             if skip is None:
                 trial = {**settings, **change}
                 try:
-                    ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps, device)
+                    ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps,
+                                                                  device)
                 except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
                     if is_oom(e):
                         row["skipped"] = (f"out of memory at {trial['micro_batch']}x{seq_len}"
@@ -245,7 +248,8 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
                         raise
                 else:
                     tok_s = trial["micro_batch"] * seq_len / (ms / 1000)
-                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved, syncs_per_step=syncs,
+                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
+                               syncs_per_step=syncs,
                                mfu=precision.estimate_mfu(fpt, tok_s, device_name, trial["dtype"], trial["tf32"]))
                     first = first or row
                     row["speedup_first"] = tok_s / first["tokens_per_s"]
@@ -366,14 +370,15 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
 
 
 def ddp_table(rows):
-    lines = ["| order | ms/step | tok/s (all ranks) | vs first | MFU | notes |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| order | ms/step | tok/s (all ranks) | vs first | MFU | notes |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if r["skipped"] is not None:
             lines.append(f"| {r['name']} | skipped | | | | {r['skipped']} |")
         else:
             mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-            lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['speedup_first']:.2f}x "
-                         f"| {mfu} | {r['note']} |")
+            lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['speedup_first']:.2f}x | {mfu} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -502,12 +507,14 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
         train_step(model, optimizers, scaler, x, y, plan)
     precision.synchronize(device)
     params = list(raw.parameters())
-    p, g, o = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params), tensor_bytes(optimizer_state_tensors(optimizers))
+    p, g = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params)
+    o = tensor_bytes(optimizer_state_tensors(optimizers))
     est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  ({OPTIMIZER_STATE[optimizer]})",
-              f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); estimate {fmt_bytes(est)}",
+              f"  activations       {fmt_bytes(saved):>10}  measured: saved for backward ({dname}); "
+              f"estimate {fmt_bytes(est)}",
               f"  logits            {fmt_bytes(logits):>10}  returned by forward, alive until backward; "
               f"estimate {fmt_bytes(est_logits)}",
               f"  step peak         {fmt_bytes(peak):>10}  measured: most bytes alive at once in forward + backward, "
@@ -520,7 +527,8 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
                   f"{fmt_bytes(peak_a - alloc)})",
                   f"  reserved now      {fmt_bytes(reserved):>10}  (allocator cache on top of allocated: "
                   f"{fmt_bytes(reserved - alloc)})",
-                  f"  peak reserved     {fmt_bytes(peak_r):>10}  (fragmentation at the peak: {fmt_bytes(peak_r - peak_a)})"]
+                  f"  peak reserved     {fmt_bytes(peak_r):>10}  "
+                  f"(fragmentation at the peak: {fmt_bytes(peak_r - peak_a)})"]
     else:
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
     config = raw.config
@@ -531,7 +539,8 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
         ws = tf32_workspace(size, micro_batch, seq_len, device)
         (a0, r0), (a1, r1) = ws[False], ws[True]
         lines.append(f"  TF32 off vs on (fp32 steps): peak allocated {fmt_bytes(a0)} vs {fmt_bytes(a1)} "
-                     f"({fmt_bytes(a1 - a0)}), peak reserved {fmt_bytes(r0)} vs {fmt_bytes(r1)} ({fmt_bytes(r1 - r0)}): "
+                     f"({fmt_bytes(a1 - a0)}), peak reserved {fmt_bytes(r0)} vs {fmt_bytes(r1)} "
+                     f"({fmt_bytes(r1 - r0)}): "
                      "TF32 changes the matmul math, not the fp32 storage")
     else:
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
@@ -542,7 +551,8 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
     parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
-                 ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) + f"; total {fmt_bytes(sum(parts.values()))}")
+                 ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) +
+                 f"; total {fmt_bytes(sum(parts.values()))}")
     return lines
 
 
@@ -584,31 +594,31 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
 
 
 # -----------------------------------------------------------------------------
-# micro-batch finder
-
-
-# -----------------------------------------------------------------------------
 # command line
 
 
 def parse_args(argv):
     p = ArgumentParser(prog="bench.py", description="GPT-2 training speed ladder, memory report and micro-batch finder")
-    p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps (default: auto: cuda if available; cpu with --quick)")
+    p.add_argument("--device", default=None,
+                   help="auto, cpu, cuda, cuda:N, mps (default: auto: cuda if available; cpu with --quick)")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="the plan's autocast dtype (auto: bf16 on sm80+, fp16 on sm7x, else fp32)")
-    p.add_argument("--model", default=None, choices=sorted(SIZES), help="model size (default: gpt2 on CUDA, small on CPU)")
+    p.add_argument("--model", default=None, choices=sorted(SIZES),
+                   help="model size (default: gpt2 on CUDA, small on CPU)")
     p.add_argument("--optimizer", default="adamw", choices=optim.OPTIMIZERS,
                    help="the trainer's optimizer=: its state is part of --memory, --fit and --find_batch")
     p.add_argument("--micro_batch_size", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per rung (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per rung (compile happens here)")
-    p.add_argument("--compile", action="store_true", help="run the torch.compile rung even where the plan says off (CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the torch.compile rung even where the plan says off (CPU)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, CPU unless --device says otherwise")
     p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
-    p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"), help="the loss (--memory, --find_batch)")
+    p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"),
+                   help="the loss (--memory, --find_batch)")
     p.add_argument("--activation_checkpointing", default="none", choices=("none", "blocks", "every_other"),
                    help="recompute blocks in backward (--memory, --find_batch)")
     p.add_argument("--world_size", type=int, default=1, help="ranks to compute the per-rank memory for (--memory)")
@@ -617,7 +627,8 @@ def parse_args(argv):
     p.add_argument("--find_batch", action="store_true", help="micro-batch finder instead of the ladder")
     p.add_argument("--ddp", action="store_true",
                    help="under torchrun: DDP(compile(model)) vs compile(DDP(model)) instead of the ladder")
-    p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH, help="tokens per optimizer step (--find_batch)")
+    p.add_argument("--total_batch_size", type=int, default=DEFAULT_TOTAL_BATCH,
+                   help="tokens per optimizer step (--find_batch)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory to keep free (--find_batch)")
     args = p.parse_args(argv)
     args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"),
@@ -625,7 +636,8 @@ def parse_args(argv):
     device_type = torch.device(args.device).type
     mode = "quick" if args.quick else ("cuda" if device_type == "cuda" or args.fit else "cpu")  # --fit: GPU shapes
     size, b, t, warmup, steps = DEFAULTS[mode]
-    for name, default in (("model", size), ("micro_batch_size", b), ("seq_len", t), ("warmup", warmup), ("steps", steps)):
+    defaults = {"model": size, "micro_batch_size": b, "seq_len": t, "warmup": warmup, "steps": steps}
+    for name, default in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     for name in ("micro_batch_size", "seq_len", "steps", "world_size"):

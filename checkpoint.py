@@ -55,7 +55,7 @@ def latest_checkpoint(out_dir, warn=print):
             held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
         except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
             warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:100]})")
-    for step, path in sorted(held, reverse=True):
+    for _, path in sorted(held, reverse=True):
         try:
             return path, read_checkpoint(path)
         except UserError as e:
@@ -78,11 +78,13 @@ def resume_overrides(out_dir, cfg, given, say=print):
     how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
     if cfg.resume == "false":
         if files:
-            raise UserError(f"out_dir {out_dir!r} holds another run's checkpoints ({os.path.basename(files[0][1])}): {how}")
+            newest = os.path.basename(files[0][1])
+            raise UserError(f"out_dir {out_dir!r} holds another run's checkpoints ({newest}): {how}")
         return None, {}
     if not files:
         if cfg.resume == "true":
-            raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at the run")
+            raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at "
+                            "the run")
         return None, {}
     path, ckpt = latest_checkpoint(out_dir, warn=say)
     if ckpt is None:
@@ -269,8 +271,8 @@ class OutDirLock:
                     return self
                 if held is not None:
                     raise UserError(f"out_dir {self.out_dir!r} is in use by a live run: pid {held.get('pid')} on "
-                                    f"{held.get('host')}, since {held.get('since')} ({self.path}); wait for it to finish "
-                                    f"or stop it, or choose another --out_dir") from None
+                                    f"{held.get('host')}, since {held.get('since')} ({self.path}); wait for it to "
+                                    f"finish or stop it, or choose another --out_dir") from None
                 stale = f"{self.path}.stale.{os.getpid()}"  # one of several racers wins the O_EXCL that follows
                 try:
                     os.replace(self.path, stale)

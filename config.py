@@ -30,7 +30,7 @@ class Config:
     # data and output
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
     data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
-    data: str = ""  # your own text (a file, folder or glob): tokenized into a cache beside out_dir, used instead of data_dir
+    data: str = ""  # your text (a file, folder or glob), tokenized into a cache beside out_dir: replaces data_dir
     shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
     out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
     # model
@@ -68,11 +68,11 @@ class Config:
     checkpoint_interval: int = 5000  # steps between out_dir/ckpt_XXXXXX.pt files
     checkpoint_minutes: float = 60.0  # also save when this long has passed since the last save (0 = off)
     keep_last: int = 2  # checkpoints kept in out_dir (older ones are deleted once a new one is in place); 0 = all
-    resume: str = "false"  # "true": continue from the newest out_dir/ckpt_*.pt; "auto": if there is one; "false": start fresh
+    resume: str = "false"  # true: continue from the newest out_dir/ckpt_*.pt; auto: if there is one; false: start fresh
     # surviving the session: stop cleanly on SIGINT/SIGTERM or near the time limit; stop on divergence
     time_limit: float = 0.0  # minutes from start-up; save and stop before they run out (0 = no limit)
     max_skipped: int = 10  # stop after this many optimizer steps skipped in a row (inf/nan, outliers); 0 = never
-    skip_outliers_z: float = 0.0  # skip the update when loss or grad norm is > z std above the last 128 steps' mean (0 = off)
+    skip_outliers_z: float = 0.0  # skip a step with loss or grad norm > z std above the last 128 steps' mean (0 = off)
     # logging: out_dir/log.jsonl always; TensorBoard and Weights & Biases when asked (logger.py)
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs `pip install tensorboard`)
     wandb_project: str = ""  # also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline: no network)
@@ -135,7 +135,8 @@ def check_value(key, value):
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        kind = 'an integer or "auto"' if key == "micro_batch_size" else "true, false or auto" if key == "resume" else TYPE_NAMES[t]
+        kind = ('an integer or "auto"' if key == "micro_batch_size" else "true, false or auto" if key == "resume"
+                else TYPE_NAMES[t])
         raise UserError(f"{key} must be {kind}, got {value!r} (default: {FIELDS[key].default!r})")
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(f"{key} must be one of {', '.join(CHOICES[key])}; got {value!r}")
@@ -214,7 +215,8 @@ def validate(cfg):
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     for key in ("max_lr", "min_lr", "muon_lr"):  # (NaN fails this too)
         if not getattr(cfg, key) < 1e37:
-            raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 above ~3e37")
+            raise UserError(f"{key}={getattr(cfg, key):g} is too large: AdamW's first step overflows float32 "
+                            "above ~3e37")
     if cfg.min_lr > cfg.max_lr:
         raise UserError(f"min_lr={cfg.min_lr:g} is above max_lr={cfg.max_lr:g}: the cosine decays from max_lr down to "
                         "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
@@ -223,15 +225,17 @@ def validate(cfg):
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
     if os.path.isfile(cfg.out_dir):
-        raise UserError(f"out_dir {cfg.out_dir!r} is a file; out_dir is a folder: move the file or choose another out_dir")
+        raise UserError(f"out_dir {cfg.out_dir!r} is a file; out_dir is a folder: move the file or choose another "
+                        "out_dir")
 
 
 def oddities(cfg):
     """Warnings for what runs but is probably not what was meant."""
     warnings = []
     if cfg.warmup_steps >= cfg.max_steps:
-        warnings.append(f"warning: warmup_steps={cfg.warmup_steps} is not below max_steps={cfg.max_steps}: the learning "
-                        f"rate never reaches max_lr and never decays (warmup_steps is usually ~1-5% of max_steps)")
+        warnings.append(f"warning: warmup_steps={cfg.warmup_steps} is not below max_steps={cfg.max_steps}: the "
+                        f"learning rate never reaches max_lr and never decays (warmup_steps is usually ~1-5% of "
+                        f"max_steps)")
     return warnings
 
 
@@ -259,7 +263,8 @@ def config_sections():
             sections.append((code.lstrip("# "), []))
         elif re.match(r"\w+\s*:", code) and code.split(":")[0].strip() in FIELDS:
             name = code.split(":")[0].strip()
-            comments = [t.string for t in tokenize.generate_tokens(io.StringIO(code).readline) if t.type == tokenize.COMMENT]
+            tokens = tokenize.generate_tokens(io.StringIO(code).readline)
+            comments = [t.string for t in tokens if t.type == tokenize.COMMENT]
             sections[-1][1].append(name)
             meaning[name] = comments[0].lstrip("# ") if comments else ""
     return sections, meaning

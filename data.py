@@ -65,7 +65,8 @@ def load_shard(path):
         shard = np.load(path, mmap_mode="r")
     except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
-        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with fineweb.py") from None
+        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with "
+                        "fineweb.py") from None
     if not isinstance(shard, np.ndarray) or shard.dtype != np.uint16 or shard.ndim != 1:
         what = f"{shard.dtype} {tuple(shard.shape)}" if isinstance(shard, np.ndarray) else "an .npz archive"
         raise UserError(f"{path} holds {what}, not the 1-D uint16 tokens fineweb.py writes")
@@ -110,7 +111,8 @@ class TokenLoader:
     def layout(self, epoch):
         """(shard order, index of each one's first row in the epoch) for an epoch."""
         if self._layout[0] != epoch:
-            order = permutation(len(self.shards), self.seed, epoch).tolist() if self.shuffle else range(len(self.shards))
+            n = len(self.shards)
+            order = permutation(n, self.seed, epoch).tolist() if self.shuffle else range(n)
             self._layout = epoch, order, np.cumsum([0] + [self.rows[s] for s in order]).tolist()
         return self._layout[1:]
 
@@ -125,8 +127,8 @@ class TokenLoader:
         shard = self.shards[s]
         if self.vocab_size is not None and s not in self.checked:  # once a shard, when first read
             if int(shard.max()) >= self.vocab_size:
-                raise UserError(f"{self.paths[s]} holds token id {int(shard.max())} but vocab_size is {self.vocab_size}: "
-                                "raise vocab_size")
+                raise UserError(f"{self.paths[s]} holds token id {int(shard.max())} but vocab_size is "
+                                f"{self.vocab_size}: raise vocab_size")
             self.checked.add(s)
         return shard[j * self.T:(j + 1) * self.T + 1]
 
@@ -183,7 +185,8 @@ def source_files(data):
     elif os.path.isdir(data):
         paths = fineweb.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         if not paths:
-            raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or .parquet files")
+            raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
+                            ".parquet files")
     elif os.path.isfile(data):
         paths = [data]
     else:
@@ -209,7 +212,8 @@ def split_rows(cache, T):
     """{split: rows of T+1 tokens} of a finished fineweb.py folder, from its manifest."""
     with open(os.path.join(cache, fineweb.MANIFEST)) as f:
         shards = json.load(f)["shards"]
-    return {split: sum(max(0, (s["tokens"] - 1) // T) for s in shards if s["split"] == split) for split in ("train", "val")}
+    return {split: sum(max(0, (s["tokens"] - 1) // T) for s in shards if s["split"] == split)
+            for split in ("train", "val")}
 
 
 def split_plan(size):
@@ -308,7 +312,8 @@ def prepare_python_corpus(data_dir):
     manifest = os.path.join(data_dir, fineweb.MANIFEST)
     if has_shards(data_dir) and (not os.path.exists(manifest) or fineweb.load_manifest(data_dir).get("complete")):
         return
-    if os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", fineweb.MANIFEST} and not has_shards(data_dir):
+    foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", fineweb.MANIFEST}
+    if foreign and not has_shards(data_dir):
         raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
                         f"is not built into it: to train on the text in it, use --data={data_dir}")
     try:
@@ -325,8 +330,8 @@ def prepare_python_corpus(data_dir):
     files += python_sources()
     print(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
           f"{len(files) - len(topics)} standard library modules")
-    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", data_dir, "--prefix", "python",
-                                      "--shard_size", str(PYTHON_SHARD_SIZE), "--val_fraction", str(PYTHON_VAL_FRACTION)]))
+    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", data_dir, "--prefix", "python", "--shard_size",
+                                      str(PYTHON_SHARD_SIZE), "--val_fraction", str(PYTHON_VAL_FRACTION)]))
 
 # -----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fileio import UserError
 
-STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the other ranks wait this long for rank 0's data prep, not dist_timeout
+STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the ranks wait this long for rank 0's data prep, not dist_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,8 @@ class DistEnv:
             return ""
         return (f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun gives the workers "
                 f"between passing on a stop signal and SIGKILL: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
-                f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has --shutdown-timeout), "
+                f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has "
+                f"--shutdown-timeout), "
                 f"or a stop may lose the steps since the last checkpoint")
 
 

@@ -154,7 +154,8 @@ def check_sources(paths):
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as e:  # pyarrow's errors: a truncated or foreign file
-                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out of --source") from None
+                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out "
+                                   "of --source") from None
             if rows == 0:  # datasets trips over these
                 raise FineWebError(f"{path} holds no rows; leave it out of --source")
 
@@ -181,7 +182,7 @@ def read_text_file(path):
         with opener(path, "rt", encoding="utf-8", newline="") as f:  # newline="": the text as it is, \r\n too
             return f.read()
     except UnicodeDecodeError as e:
-        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
     except (OSError, EOFError, lzma.LZMAError) as e:  # a truncated or corrupt .gz/.bz2/.xz
         raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of --source") from None
 
@@ -212,7 +213,7 @@ def load_stream(path, where, **kwargs):
     try:
         return datasets.load_dataset(path, streaming=True, **kwargs)
     except Exception as e:
-        raise FineWebError(f"could not open {where}: {one_line(e)}")
+        raise FineWebError(f"could not open {where}: {one_line(e)}") from None
 
 
 def one_line(e):
@@ -248,7 +249,8 @@ def iter_documents(args, skip=0):
         except Exception as e:  # a malformed file (exit 2), or the hub's network (exit 1): the shards so far are kept
             if kind == "hub":
                 raise ConnectionError(f"reading {where} failed ({one_line(e)}); the shards so far are kept") from None
-            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command again")
+            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command "
+                               "again") from None
 
 
 def batches(docs):
@@ -465,16 +467,39 @@ def verify(out_dir):
 # the run: token stream -> shards
 
 
-def build(args):
+def run_settings(args):
+    """The manifest's settings of this run: what makes its shards what they are."""
+    settings = {"source": source_spec(args), "prefix": args.prefix, "shard_size": args.shard_size,
+                "max_tokens": args.max_tokens}
+    if args.val_fraction is not None:  # (absent from older manifests, which all had shard 0 as val)
+        settings["val_fraction"] = args.val_fraction
+    return settings
+
+
+def finish_build(args, settings, shards, total):
+    """The manifest of a finished run, marked complete, and the run's last lines."""
+    if not shards:
+        raise FineWebError("the source holds no documents")
+    write_json(os.path.join(args.out_dir, MANIFEST), make_manifest(settings, shards, complete=True))
+    print(f"wrote {len(shards)} shards ({total:,} tokens) to {args.out_dir}")
+    if not any(s["split"] == "train" for s in shards):
+        print("warning: only val shards were written; lower --shard_size to get train shards too", file=sys.stderr)
+
+
+def checked_args(args):
+    """args with each --source folder replaced by its files, all checked; a file as --out_dir refused."""
     if args.source:
         args = argparse.Namespace(**{**vars(args), "source": expand_sources(args.source)})
         check_sources(args.source)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise FineWebError(f"--out_dir {args.out_dir} is a file, not a folder")
-    settings = {"source": source_spec(args), "prefix": args.prefix, "shard_size": args.shard_size,
-                "max_tokens": args.max_tokens}
-    if args.val_fraction is not None:  # (absent from older manifests, which all had shard 0 as val)
-        settings["val_fraction"] = args.val_fraction
+    return args
+
+
+def build(args):
+    """Tokenize args' source into shards in args.out_dir, resuming a run that was cut short there."""
+    args = checked_args(args)
+    settings = run_settings(args)
     plan = resume(args.out_dir, settings)
     if plan is None:
         print(f"{args.out_dir} is complete already (every shard matches {MANIFEST}); nothing to do")
@@ -546,12 +571,7 @@ def build(args):
             pool.shutdown(wait=True, cancel_futures=True)
         writer.shutdown(wait=True)  # a shard being saved is finished, even on Ctrl-C
         bar.close()
-    if not shards:
-        raise FineWebError("the source holds no documents")
-    write_json(manifest_path, make_manifest(settings, shards, complete=True))
-    print(f"wrote {len(shards)} shards ({total:,} tokens) to {args.out_dir}")
-    if not any(s["split"] == "train" for s in shards):
-        print("warning: only val shards were written; lower --shard_size to get train shards too", file=sys.stderr)
+    finish_build(args, settings, shards, total)
 
 # -----------------------------------------------------------------------------
 # benchmark: the straightforward pipeline vs. ours, on the same documents

@@ -408,7 +408,8 @@ def bench(model, examples, plan, batch_size):
     for ex in examples[:2]:  # warm-up
         score_one(raw, ex, plan)
     chunk_size = len(examples) if is_compiled(model) else 4 * batch_size
-    evaluate(model, examples[:chunk_size] if is_compiled(model) else examples[:batch_size], plan=plan, batch_size=batch_size)
+    warm = examples[:chunk_size] if is_compiled(model) else examples[:batch_size]
+    evaluate(model, warm, plan=plan, batch_size=batch_size)
     t_loop = t_batch = 0.0
     same = True
     for i in range(0, len(examples), chunk_size):
@@ -473,7 +474,8 @@ def main(argv=None):
     except (UserError, OSError) as e:
         return fail(e)
     if args.bench:
-        print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, {plan.describe()}")
+        print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, "
+              f"{plan.describe()}")
         return 0 if bench(model, examples, plan, args.batch_size) else 1
     t0 = time.time()
     res = evaluate(model, examples, plan=plan, batch_size=args.batch_size, progress=True)

@@ -6,7 +6,7 @@ fitted to a GPU's memory, or probed on the GPU (micro_batch_size=auto).
     B, T, reason, model = choose_micro_batch(raw_model, optimizers, plan, ...)    # the trainer's one call
     python bench.py --memory | --fit | --find_batch                               # the reports
 
-Imports torch, precision, distributed and fileio only.
+Imports torch, model, precision, distributed and fileio only.
 """
 import dataclasses
 import gc
@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from distributed import agree
 from fileio import UserError
 from model import loss_chunk_rows, loss_head_temp_bytes
-from precision import (autocast, compile_model, compiles, fsdp_param_dtype, is_oom, synchronize,  # noqa: F401
-                       train_step)
+from precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
 
 # -----------------------------------------------------------------------------
 # memory: what a training step holds, estimated from the model's shape
@@ -54,7 +53,8 @@ def optimizer_state_tensors(optimizers):
 
 def checkpointed_layers(config):
     """How many blocks run under activation checkpointing (GPT.checkpointed says which)."""
-    return {"none": 0, "blocks": config.n_layer, "every_other": (config.n_layer + 1) // 2}[config.activation_checkpointing]
+    L = config.n_layer
+    return {"none": 0, "blocks": L, "every_other": (L + 1) // 2}[config.activation_checkpointing]
 
 
 def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False):
@@ -84,7 +84,8 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
     full = config.loss_impl == "full"
     head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4  # + total_weight | dL/dh, dL/dW
-    block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C  # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
+    # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
+    block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C
     weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
     return layers + head + weights, B * T * V * a if full else 0
 
@@ -138,8 +139,9 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
 def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096,
                           optimizer="adamw"):
     """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
-    fits = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp,  # noqa: E731
-                                                 optimizer).values()) <= budget
+    def fits(b):
+        parts = training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp, optimizer)
+        return sum(parts.values()) <= budget
     lo, hi = 0, limit
     while lo < hi:  # the estimate grows with the micro-batch: bisect
         mid = (lo + hi + 1) // 2
@@ -161,7 +163,8 @@ def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dt
     sharded = is_sharded(model)
     grads = tensor_bytes(p.grad for p in params)
     if grads == 0:  # freed after the step (zero_grad(set_to_none=True)): what backward allocates again
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in {id(p): p for p in params if p.requires_grad}.values()]
+        trained = {id(p): p for p in params if p.requires_grad}.values()  # a tied weight once
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trained]
         grads = sum(p.numel() * p.element_size() for p in local)
     parts = [f"params {fmt_bytes(tensor_bytes(params))}",
              f"grads {fmt_bytes(grads)}",
@@ -176,7 +179,8 @@ def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dt
                      f"{config.loss_impl} loss, checkpointing {config.activation_checkpointing})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} (+{fmt_bytes(reserved - alloc)} cached), "
+        parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
+                     f"(+{fmt_bytes(reserved - alloc)} cached), "
                      f"peak allocated {fmt_bytes(torch.cuda.max_memory_allocated(device))}, "
                      f"peak reserved {fmt_bytes(torch.cuda.max_memory_reserved(device))}")
     else:
@@ -237,7 +241,8 @@ def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=
             b = max(fitting)
             how = f"seq_len {seq_len} -> {T}: not even 1 x {seq_len} fits, " if T != seq_len else ""
             return b, T, (f"micro-batch fitted to {fmt_bytes(memory_bytes)}: {how}{b} x {T} "
-                          f"(~{fmt_bytes(need(b, T))} estimated, grad_accum {rows // b} keeps total_batch_size {total_batch_size})")
+                          f"(~{fmt_bytes(need(b, T))} estimated, grad_accum {rows // b} keeps total_batch_size "
+                          f"{total_batch_size})")
         if not shrink_seq or rows == 0 or T <= 64:
             break
         T //= 2
@@ -246,7 +251,8 @@ def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=
     raise UserError(f"a {param_counts(config)[0] / 1e6:.0f}M-parameter model does not fit in {fmt_bytes(memory_bytes)} "
                     f"at seq_len {T} with total_batch_size {total_batch_size} (estimate: "
                     f"{fmt_bytes(state)} of weights, gradients and AdamW state alone): use a smaller model, "
-                    "activation_checkpointing=blocks, fsdp=true over several GPUs, or set micro_batch_size/seq_len yourself")
+                    "activation_checkpointing=blocks, fsdp=true over several GPUs, or set micro_batch_size/seq_len "
+                    "yourself")
 
 
 def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, max_micro_batch=None,
@@ -302,7 +308,8 @@ def search_micro_batch(usage, measure, seq_len, total_batch_size, world_size=1, 
         why = f"{nxt} " + ("runs out of memory" if used[nxt] is None else
                            f"uses {used[nxt]:.0%} of memory, over the {1 - headroom:.0%} limit")
     else:
-        why = f"{pool[k]} is the largest that divides the batch" + (f" within max {max_micro_batch}" if max_micro_batch else "")
+        why = f"{pool[k]} is the largest that divides the batch"
+        why += f" within max {max_micro_batch}" if max_micro_batch else ""
     reason = (f"micro_batch {best}: fastest of the largest that fit ({tried}); {why}{note}; "
               f"grad_accum {rows // best} keeps total_batch_size {total_batch_size}")
     return best, reason
@@ -368,8 +375,8 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
     device_type = torch.device(device).type
     if device_type != "cuda":
         if total_batch_size % (default * seq_len * world_size):
-            raise ValueError(f"total_batch_size {total_batch_size} is not divisible by micro_batch x seq_len x world_size "
-                             f"= {default} x {seq_len} x {world_size}; change one of them")
+            raise ValueError(f"total_batch_size {total_batch_size} is not divisible by micro_batch x seq_len x "
+                             f"world_size = {default} x {seq_len} x {world_size}; change one of them")
         return default, (f"micro_batch_size=auto needs CUDA; on {device_type} using the default micro_batch {default} "
                          f"(grad_accum {total_batch_size // (default * seq_len * world_size)})"), None
     free_memory(device_type)
@@ -456,4 +463,5 @@ def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
         return (f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true "
                 "under torchrun, or a device with more memory")
     return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try --micro_batch_size=auto, a smaller "
-            f"--micro_batch_size (total_batch_size stays, by more accumulation steps) or --activation_checkpointing=blocks")
+            "--micro_batch_size (total_batch_size stays, by more accumulation steps) or "
+            "--activation_checkpointing=blocks")

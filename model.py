@@ -275,14 +275,16 @@ class GPT(nn.Module):
                              "(hub names need network on first use; or pass a save_pretrained directory)") from None
         c = hf.config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UserError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU is supported")
-        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd)
+            raise UserError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU "
+                            "is supported")
+        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                           n_embd=c.n_embd)
         model = cls(config)
         sd = model.state_dict()
         sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         if set(sd) != set(sd_hf):
-            raise UserError(f"{name_or_path!r} does not have GPT-2's layout: unexpected {sorted(set(sd_hf) - set(sd))[:3]}, "
-                             f"missing {sorted(set(sd) - set(sd_hf))[:3]}")
+            raise UserError(f"{name_or_path!r} does not have GPT-2's layout: unexpected "
+                            f"{sorted(set(sd_hf) - set(sd))[:3]}, missing {sorted(set(sd) - set(sd_hf))[:3]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
                 if k.endswith(_CONV1D):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
@@ -331,7 +333,8 @@ class GPT(nn.Module):
 def check_config(config, state_dict):
     """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
     its modes are known ones (a checkpoint's model_args against its model)."""
-    sizes = {k: getattr(config, k) for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "ce_chunk_rows")}
+    sizes = {k: getattr(config, k)
+             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "ce_chunk_rows")}
     if not all(type(v) is int and v >= 1 for v in sizes.values()):
         raise ValueError(f"model_args {sizes} must be positive integers")
     if config.n_embd % config.n_head:
@@ -342,7 +345,8 @@ def check_config(config, state_dict):
         if getattr(config, k) not in allowed:
             raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
     blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
-    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape), len(blocks))
+    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape),
+              len(blocks))
     if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
@@ -356,19 +360,21 @@ def newest_checkpoint(spec):
     return os.path.join(spec, max(steps)[1]) if steps else spec
 
 
-def read_checkpoint(path, map_location="cpu"):
-    """A checkpoint written by train_gpt2.py, as a dict of plain tensors and numbers (weights_only),
+def read_checkpoint(path):
+    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
     or one UserError line for a missing, truncated or foreign file."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path!r} not found")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
         complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete else "not a complete torch.save file"
-        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another file?)") from None
+        why = ((str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete
+               else "not a complete torch.save file")
+        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another "
+                        "file?)") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
         raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")
     return ckpt

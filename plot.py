@@ -198,7 +198,8 @@ def main(argv=None):
     p = ArgumentParser(prog="plot.py", description="Plot train/val loss and HellaSwag of train_gpt2.py runs.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of a run (holds log.jsonl and config.json)")
     p.add_argument("--out", default=None, metavar="PNG",
-                   help="image to write (.png, .pdf, .svg); default RUN_DIR/curves.png for one run, curves.png for several")
+                   help="image to write (.png, .pdf, .svg); default RUN_DIR/curves.png for one run, curves.png "
+                        "for several")
     try:
         args = p.parse_args(argv)
         note = missing_matplotlib()

@@ -4,13 +4,14 @@ Every hardware decision, in one place: which device, which GPU it is, and how to
     from precision import resolve_device, make_plan, autocast
     device = resolve_device("auto")                 # "cuda:0", "mps" or "cpu"; one clear error when unusable
     plan = make_plan(device, precision="auto")      # dtype, loss scaling, TF32, compile, attention kernels
-    with autocast(plan):                            # the one autocast + SDPA-kernel context (trainer, eval, bench, sampling)
+    with autocast(plan):                            # the one autocast + SDPA-kernel context (all who run the model)
         logits, loss = model(x, y)
 
 The plan comes from the GPU's compute capability (never torch.cuda.is_bf16_supported(), which says
 yes on a T4 where bf16 is emulated):
 
-    sm80+ (A100, A10, L4, RTX 30xx/40xx/50xx, H100, B200)  bf16 autocast, TF32, compile, SDPA flash (cuDNN first on sm90+)
+    sm80+ (A100, A10, L4, RTX 30xx/40xx/50xx, H100, B200)  bf16 autocast, TF32, compile, SDPA flash
+                                                      (cuDNN first on sm90+)
     sm70-75 (V100, T4, RTX 20xx)                      fp16 autocast + GradScaler, compile, SDPA memory-efficient,
                                                       micro-batch (then, only if needed, seq_len) fitted to memory
     sm60 (P100)                                       fp16 autocast + GradScaler (2x fp32 rate, no tensor cores)
@@ -28,7 +29,6 @@ from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fileio import UserError
 
@@ -145,7 +145,7 @@ class Plan:
     grad_scaler: bool  # fp16 needs loss scaling
     tf32: bool  # TF32 tensor cores for fp32 matmuls
     compile: bool  # torch.compile by default
-    sdpa_backends: tuple = ()  # SDPA kernels, in priority order ("cudnn", "flash", "efficient", "math"); () = torch decides
+    sdpa_backends: tuple = ()  # SDPA kernels by priority ("cudnn", "flash", "efficient", "math"); () = torch decides
     fit_to_memory: bool = False  # sm7x: micro-batch (then seq_len) chosen from the GPU's memory, same total batch
     capability: tuple = None  # (major, minor) on CUDA: the plan's (plan=smXY: the emulated generation's)
     device_name: str = None  # torch.cuda.get_device_name(), for the MFU peak (always the real GPU's)
@@ -270,7 +270,7 @@ def compiles(step_model, micro_batch, seq_len, plan, warn=print):
         loss.backward()
     except Exception as e:  # noqa: BLE001 - whatever the compiler raised, eager still works
         root = e
-        while getattr(root, "inner_exception", None) or root.__cause__:  # the compiler's own error, not dynamo's wrapper
+        while getattr(root, "inner_exception", None) or root.__cause__:  # the compiler's error, not dynamo's wrapper
             root = getattr(root, "inner_exception", None) or root.__cause__
         if is_oom(root) or isinstance(root, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(root):
             raise root from None
@@ -423,7 +423,8 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
                      ([flags.float()] if flags is not None else []))  # (2 + flags,)
     on_device = skips_on_device(optimizers, scaler, is_outlier)
     if on_device:
-        found_inf = None if scaler.is_enabled() else (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it
+        # (), as GradScaler makes it
+        found_inf = None if scaler.is_enabled() else (~torch.isfinite(read[:2]).all()).float()
         _update(optimizers, scaler, found_inf)
     loss, norm, *flags = read.tolist()  # sync: the step's one host read
     finite = math.isfinite(loss) and math.isfinite(norm)

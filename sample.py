@@ -70,9 +70,10 @@ def read_prompt(args, enc):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="sample.py", description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
+    p = ArgumentParser(prog="sample.py",
+                       description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
     p.add_argument("--model", required=True,
-                   help="a ckpt_*.pt, a run's out_dir (its newest ckpt), a save_pretrained directory, or gpt2 .. gpt2-xl")
+                   help="a ckpt_*.pt, a run's out_dir (its newest ckpt), a save_pretrained dir, or gpt2 .. gpt2-xl")
     p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
     p.add_argument("--num_samples", type=int, default=3)
@@ -99,7 +100,8 @@ def main(argv=None):
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, {path}")
         model = GPT.load(path, verbose=False)
         if model.config.vocab_size < enc.n_vocab:
-            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {enc.n_vocab} tokens")
+            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's "
+                            f"{enc.n_vocab} tokens")
     except (UserError, OSError) as e:
         return fail(e)
     model.to(plan.device).eval()

@@ -37,8 +37,9 @@ def shard_model(model, dtype, device_type):
 
 def full_state(model, optimizers):
     """(model state, optimizers' state): full CPU tensors on rank 0, {} on the other ranks. The model's
-    is keyed as model.state_dict() keys it; the optimizers' (AdamW alone, or AdamW + Muon, in one) by parameter name (torch.distributed's
-    format, the same with and without FSDP, so either kind of run resumes the other's checkpoint).
+    is keyed as model.state_dict() keys it; the optimizers' (AdamW alone, or AdamW + Muon, in one) by
+    parameter name (torch.distributed's format, the same with and without FSDP, so either kind of run
+    resumes the other's checkpoint).
     Under FSDP it gathers the shards, so every rank must call it."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizers, options=options)

@@ -37,7 +37,7 @@ import memory
 import optim
 import plot
 import precision
-from config import FIELDS, Config, asked_and_resolved, help_text, oddities, parse_args  # noqa: F401 - for the tests
+from config import asked_and_resolved, help_text, oddities, parse_args
 from data import TokenLoader, shard_paths
 from distributed import DistEnv, agree
 from fileio import UserError, fail, write_json
@@ -162,7 +162,8 @@ def load_hellaswag(cfg, env, startup):
         try:
             return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
         except Exception as e:  # offline, a missing or malformed file: the user's to fix
-            raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") from None
+            raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") \
+                from None
     return hellaswag, distributed.rank0_first(load, env, startup)[:cfg.hellaswag_limit or None]
 
 
@@ -177,9 +178,10 @@ def resume_point(cfg, given, env, device, lock, say):
     if env.ddp:  # out_dir must be one folder all nodes see
         held = float(ckpt["step"]) if ckpt is not None else -1.0
         if agree(held, "min", device) != agree(held, "max", device):
-            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
-                            f"{'step ' + str(ckpt['step']) if ckpt is not None else 'none'}): put out_dir on a filesystem "
-                            "every node sees, or copy the newest ckpt_*.pt to every node's out_dir")
+            mine = f"step {ckpt['step']}" if ckpt is not None else "none"
+            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: {mine}): "
+                            "put out_dir on a filesystem every node sees, or copy the newest ckpt_*.pt to every "
+                            "node's out_dir")
     return out_dir, ckpt, overrides
 
 
@@ -188,7 +190,8 @@ def place_model(cfg, ckpt, seq_len, plan, env, say):
     raw_model = load_model(cfg, ckpt, verbose=env.master)
     raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
     if cfg.fsdp and not env.ddp:
-        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, or drop --fsdp")
+        raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, "
+                        "or drop --fsdp")
     if seq_len > raw_model.config.block_size:
         raise UserError(f"seq_len={seq_len} is longer than block_size={raw_model.config.block_size}, the model's "
                         "context: lower seq_len")
@@ -232,7 +235,8 @@ def setup(cfg, given, env, say, lock):
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(value("seed"))
     raw_model, off = place_model(cfg, ckpt, value("seq_len"), plan, env, say)
-    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"), weight_decay=value("weight_decay"),
+    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"),
+                                        weight_decay=value("weight_decay"),
                                         muon_lr=value("muon_lr"), muon_momentum=value("muon_momentum"),
                                         device_type=plan.device_type, verbose=env.master,
                                         ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type))
@@ -257,13 +261,16 @@ def setup(cfg, given, env, say, lock):
 
     # what the run resolved, beside what was asked (the model decides its shape)
     decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
-                   out_dir=out_dir, data_dir=data_dir, device=plan.device_type, precision=precision.dtype_name(plan.dtype),
-                   compile=str(plan.compile).lower(), micro_batch_size=B, seq_len=T, auto_micro_batch=False)
+                   out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
+                   precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
+                   micro_batch_size=B, seq_len=T, auto_micro_batch=False)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
-    return Run(cfg=resolved, env=env, plan=plan, B=B, T=T, grad_accum=resolved.total_batch_size // (B * T * env.world_size),
+    grad_accum = resolved.total_batch_size // (B * T * env.world_size)  # choose_micro_batch checked it divides
+    return Run(cfg=resolved, env=env, plan=plan, B=B, T=T, grad_accum=grad_accum,
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
-               train_loader=train_loader, val_loader=val_loader, data_dir=data_dir, start_step=ckpt["step"] if ckpt else 0,
+               train_loader=train_loader, val_loader=val_loader, data_dir=data_dir,
+               start_step=ckpt["step"] if ckpt else 0,
                evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started)
@@ -314,7 +321,8 @@ def train(run, argv, say):
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # on a terminal, once a step takes > 5 s
             loss = precision.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.plan,
                                                   run.scaler, run.wraps_ddp, bar)
-        # after this step: stop for a signal or the time limit (too little left for a step and a save)? save by the clock?
+        # after this step: stop for a signal or the time limit (too little left for a step and a save)?
+        # save by the clock?
         now = time.time()
         out_of_time = now + progress.longest + progress.step_s + progress.save_s > deadline
         clock_due = cfg.checkpoint_minutes > 0 and now - progress.saved_at > cfg.checkpoint_minutes * 60
@@ -322,7 +330,7 @@ def train(run, argv, say):
         if env.ddp:  # one all_reduce (SUM): the mean loss, and how many ranks ask for each: every rank decides alike
             stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
             dist.all_reduce(stats)
-            loss, flags = stats[0] / env.world_size, stats[1:]  # the counts are read with loss and norm, in one transfer
+            loss, flags = stats[0] / env.world_size, stats[1:]  # counts read with loss and norm, in one transfer
         lr = get_lr(step, cfg)
         loss, norm, applied, counts = precision.optimizer_step(
             run.optimizers, run.scaler, run.params, cfg.grad_clip, lr / cfg.max_lr if cfg.max_lr else 0.0, loss,
@@ -332,7 +340,8 @@ def train(run, argv, say):
         *signalled, out_of_time, clock_due = asks
         stop_signal = next((sig for sig, ask in zip(STOP_SIGNALS, signalled) if ask), None)
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
-        why = "" if applied else "inf/nan loss or gradients" if not (math.isfinite(loss) and math.isfinite(norm)) else "outlier"
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        why = "" if applied else "inf/nan loss or gradients" if not finite else "outlier"
         log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog)
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
         if guard.update(loss, norm, applied):
@@ -360,7 +369,8 @@ def log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog):
     mfu = precision.estimate_mfu(flops_tok, tok_per_s / run.env.world_size, run.plan.device_name, run.plan.dtype,
                                  run.plan.tf32)
     eta = timer.eta(dt, cfg.max_steps - step - 1)
-    say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{why and f' (skipped: {why})'} | "
+    skipped = why and f" (skipped: {why})"
+    say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
         f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
         f"ETA {logger.fmt_duration(eta)}")
     if runlog is None:
@@ -488,20 +498,21 @@ def main(argv):
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):
             print(f"error: rank {env.rank}: " if env.ddp else "error: ", memory.out_of_memory_message(
-                e, run and run.plan.device_type, run and run.B, run and run.T, run and run.grad_accum), sep="", file=sys.stderr)
+                e, run and run.plan.device_type, run and run.B, run and run.T, run and run.grad_accum),
+                sep="", file=sys.stderr)
             return 1
         if not (env.ddp and distributed.peer_failure(e)):
             raise
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-        print(f"error: rank {env.rank}: a peer did not answer within dist_timeout or went away ({why}): check that every "
-              "node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints written so far are "
-              "intact, continue with --resume=auto", file=sys.stderr)
+        print(f"error: rank {env.rank}: a peer did not answer within dist_timeout or went away ({why}): check that "
+              "every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints written so "
+              "far are intact, continue with --resume=auto", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C before training began, or a second one while stopping
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         if env.master:
-            print(f"{signal.Signals(signum).name}: stopped at once, nothing saved (the checkpoints in out_dir are as they were)",
-                  file=sys.stderr)
+            print(f"{signal.Signals(signum).name}: stopped at once, nothing saved (the checkpoints in out_dir are "
+                  "as they were)", file=sys.stderr)
         return 128 + signum
     finally:
         lock.release()

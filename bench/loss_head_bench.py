@@ -99,7 +99,7 @@ def check(mod):
     targets[::5] = -1
     for dtype, rows in ((torch.float32, 1024), (torch.float32, 1000), (torch.bfloat16, 1024), (torch.bfloat16, 4096)):
         out = []
-        for fn in (lambda h, w: mod.chunked_cross_entropy(h, w, targets, rows),
+        for fn in (lambda h, w, rows=rows: mod.chunked_cross_entropy(h, w, targets, rows),
                    lambda h, w: F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)):
             h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):

@@ -20,7 +20,7 @@ total_batch_size = 524288
 optimizer = "muon"
 max_steps = 4768  # 2.5B tokens
 warmup_steps = 250
-max_lr = 1.8e-3  # AdamW on the embeddings, lm_head, biases and norms: 3x build-nanogpt's (llm.c's 124M runs train at it)
+max_lr = 1.8e-3  # AdamW on the embeddings, lm_head, biases and norms: 3x build-nanogpt's (llm.c's 124M lr)
 min_lr = 1.8e-4
 muon_lr = 6e-3  # Muon on the blocks' matrices, on AdamW's scale (adjust_lr_fn="match_rms_adamw"); bench/muon.md
 muon_momentum = 0.95

@@ -1,13 +1,162 @@
-"""Shared fixtures: everything here is local and offline."""
+"""Shared fixtures and helpers (every test module imports them from here; none imports another test
+module): toy token shards and tiny runs, tiny models and their checkpoints, HellaSwag rows, text documents,
+and the processes a test starts. Everything here is local and offline."""
+import dataclasses
+import json
 import os
+import random
+import signal
+import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import precision  # noqa: E402 - the repository's modules: after its root is on sys.path
+from model import GPT, GPTConfig  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# toy token shards and tiny training runs
+
+
+def write_shards(data_dir, n_train=3000, n_val=600, vocab=64, seed=0):
+    """A learnable toy stream (a noisy +1 counter) split into a val shard and two train shards."""
+    rng = np.random.default_rng(seed)
+    n = n_train + n_val
+    tokens = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, vocab, n)) % vocab
+    tokens = tokens.astype(np.uint16)
+    os.makedirs(data_dir, exist_ok=True)
+    np.save(os.path.join(data_dir, "toy_val_000000.npy"), tokens[:n_val])
+    np.save(os.path.join(data_dir, "toy_train_000001.npy"), tokens[n_val:n_val + n_train // 2])
+    np.save(os.path.join(data_dir, "toy_train_000002.npy"), tokens[n_val + n_train // 2:])
+    return data_dir
+
+
+def tiny_args(data_dir, out_dir, **over):
+    """train_gpt2.py's arguments for a tiny run on write_shards' data: 8 steps, evals and checkpoints at 4 and 8."""
+    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
+                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
+                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
+                checkpoint_interval=4, seed=0)
+    args.update(over)
+    return [f"--{k}={v}" for k, v in args.items() if v is not None]  # None: the key left out
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(out_dir):
+    return {e["step"]: e["loss"] for e in read_log(out_dir) if "loss" in e}
+
+
+def load_ckpt(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(path_a, path_b):
+    """Two checkpoints hold the same step, loader position, weights and optimizer state, bit for bit."""
+    a, b = load_ckpt(path_a), load_ckpt(path_b)
+    assert a["step"] == b["step"] and a["loader"] == b["loader"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+# -----------------------------------------------------------------------------
+# tiny models and their checkpoints
+
+
+def tiny_model(seed=0):
+    """The model of tiny_args' runs."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+
+
+def random_model(vocab_size=50304, seed=0):
+    """A tiny GPT whose every weight is random (layer norms and biases too), so greedy decoding
+    wanders through the vocabulary instead of repeating one token."""
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.1)
+    return m
+
+
+def tiny_model_and_optimizer(vocab=256):
+    """A tiny GPT and its AdamW (the probes' and the benchmark's kind of model)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
+    return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+
+def cpu_plan(dtype):
+    """The CPU precision plan for a torch dtype (autocast to it below fp32)."""
+    return precision.make_plan("cpu", precision.dtype_name(dtype))
+
+
+def save_ckpt(model, path):
+    """A checkpoint of model's weights only (what model.py, sample.py and hellaswag.py read)."""
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path)
+    return str(path)
+
+# -----------------------------------------------------------------------------
+# HellaSwag rows and text documents
+
+
+WORDS = ("man woman dog ball kitchen knife water slowly quickly jumps runs paints wall car road tree "
+         "rope bike window table chair sings plays guitar piano holds lifts throws catches").split()
+
+
+def make_rows(n, seed=0, ctx_words=(3, 30), end_words=(1, 12)):
+    """n HellaSwag-format rows of random sentences."""
+    rng = random.Random(seed)
+    sent = lambda k: " ".join(rng.choices(WORDS, k=k)).capitalize() + "."  # noqa: E731
+    return [{"ind": i, "ctx": sent(rng.randint(*ctx_words)), "label": rng.randrange(4),
+             "endings": [sent(rng.randint(*end_words)) for _ in range(4)], "split": "val"} for i in range(n)]
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    return str(path)
+
+
+DOCS = [
+    "Hello, I'm a language model, and this is the first document.\n",
+    "  leading spaces, trailing spaces and newlines   \n\n\n",
+    "Unicode: café, naïve, 日本語, emoji 🙂 and the dash — done.",
+    "A document that spells out <|endoftext|> must keep it as plain text.",
+    "\n",  # whitespace only
+    "Windows\r\nline\r\nendings\r\n" + "and a longer paragraph that spans many tokens. " * 12,
+    "x" * 300 + " " + "1234567890" * 7,
+    "The last one ends without a newline",
+]
+
+
+def write_txt(d, docs):
+    """Each doc as d/docNN.txt, its bytes as given (no newline translation); their paths."""
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(str(d / f"doc{i:02d}.txt"))
+        with open(paths[-1], "w", encoding="utf-8", newline="") as f:
+            f.write(doc)
+    return paths
+
+
+def snapshot(out):
+    """Every file in out_dir with its bytes."""
+    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
+
+# -----------------------------------------------------------------------------
+# OpenAI's weights offline, and the fixtures
 
 
 def make_hf_gpt2(path, n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=50257, seed=0):
@@ -28,8 +177,7 @@ def make_hf_gpt2(path, n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_si
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """Toy token shards (test_train.write_shards: a learnable noisy counter), one set per test module."""
-    from test_train import write_shards
+    """Toy token shards (write_shards: a learnable noisy counter), one set per test module."""
     return write_shards(str(tmp_path_factory.mktemp("shards")))
 
 
@@ -52,6 +200,40 @@ def free_port():
 def torchrun_env(**extra):
     """The environment for torchrun on CPU: gloo on the loopback interface only, one thread per rank."""
     return dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
+
+
+def run_ranks(args, out_dir, world_size=2, timeout=150):
+    """train_gpt2.py args on world_size local ranks; returns rank 0's stdout. Fails the test on a
+    non-zero exit or the deadline; every rank still running by then is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.makedirs(out_dir, exist_ok=True)
+    procs, logs = [], []
+    try:
+        for rank in range(world_size):
+            log = open(os.path.join(out_dir, f"rank{rank}.txt"), "w+")
+            logs.append(log)
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT, env=rank_env))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # one rank failed: the others would wait for it until the deadline
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, f"exit codes {codes}\n" + "\n".join(t[-3000:] for t in texts)
+    return texts[0]
 
 
 class Launched:
@@ -80,7 +262,8 @@ class Launched:
             raise AssertionError(f"still running after {timeout} s:\n{self.logs()}") from None
 
     def logs(self, tail=3000):
-        return "\n".join(open(os.path.join(self.log_dir, f"proc{i}.log")).read()[-tail:] for i in range(len(self.procs)))
+        paths = [os.path.join(self.log_dir, f"proc{i}.log") for i in range(len(self.procs))]
+        return "\n".join(open(path).read()[-tail:] for path in paths)
 
     def __exit__(self, *exc):
         import signal

@@ -1,8 +1,7 @@
-"""bench.py: the --quick ladder end to end, the rung rules, the micro-batch search (with injected memory
-and speed functions, checked against brute force), the CPU side of the probing, and the memory accounting."""
+"""bench.py: the --quick ladder end to end, the rung rules, DDP's two orders, and the memory report and
+fit table (its measurements checked by independent counts). memory.py's estimate, search and probes are
+tests/test_memory.py's."""
 import json
-import os
-import signal
 import subprocess
 import sys
 import warnings
@@ -13,18 +12,14 @@ import torch
 import bench
 import memory
 import precision
-from distributed import agree
+from conftest import ROOT, cpu_plan, tiny_model_and_optimizer
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import default_plan
+
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
-
-
-def cpu_plan(dtype):
-    return precision.make_plan("cpu", precision.dtype_name(dtype))
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW", "+chunked loss"]
+RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW",
+                 "+chunked loss"]
 OPTIONS_CPU = ["attention kernels", "micro-batch 16", "micro-batch 32", "micro-batch 64", "compile max-autotune"]
 
 # -----------------------------------------------------------------------------
@@ -65,8 +60,8 @@ def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
 
     def step():  # what torch.cuda's TORCH_WARN looks like from Python, twice from the same line
         for _ in range(2):
-            warnings.warn(bench.SYNC_WARNING)
-        warnings.warn("some other warning")
+            warnings.warn(bench.SYNC_WARNING, stacklevel=1)
+        warnings.warn("some other warning", stacklevel=1)
 
     assert bench.count_syncs(step, set_mode=modes.append) == 2
     assert modes == ["warn", "default"]
@@ -89,7 +84,7 @@ def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
     assert names[2] == autocast and names[4] == sdpa
     assert {name for name, _, reason, *_ in rungs if reason} == skipped
     assert not any(optional for *_, optional in rungs)
-    for name, _, reason, *_ in rungs:
+    for _, _, reason, *_ in rungs:
         if reason:
             assert f"sm{cap[0]}{cap[1]}" in reason
     if cap[0] == 7:
@@ -210,145 +205,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# micro-batch search
-
-
-def brute_force(limit, seq_len, total, world, headroom, speed, n_timed=3):
-    """The rule spelled out: divisors of total/(seq_len*world) that fit, multiples of 8 if any fit,
-    the fastest of the n_timed largest."""
-    rows = total // (seq_len * world)
-    fit = [b for b in range(1, rows + 1) if rows % b == 0 and b <= limit]
-    pool = [b for b in fit if b % 8 == 0] or fit
-    return max(reversed(pool[-n_timed:]), key=speed)  # ties go to the larger micro-batch
-
-
-def linear_usage(limit, headroom=0.1):
-    """Memory use that crosses the 1 - headroom line just above micro-batch `limit`; None (OOM) past 1."""
-    def usage(b):
-        u = (1 - headroom) * (b + 0.5) / (limit + 0.5) - 1e-9 if b <= limit else 0.95 + 0.01 * (b - limit)
-        return None if u > 1 else u
-    return usage
-
-
-@pytest.mark.parametrize("limit,seq_len,total,world", [
-    (70, 1024, 524288, 1), (50, 1024, 480 * 1024, 1), (100, 1024, 524288, 4), (5, 1024, 524288, 1),
-    (1000, 1024, 524288, 1), (23, 256, 240 * 256, 2), (9, 1, 96, 1),
-])
-@pytest.mark.parametrize("speed", [lambda b: 1000.0 * b, lambda b: -abs(b - 40.0)])  # monotone; best at 40
-def test_search_matches_brute_force(limit, seq_len, total, world, speed):
-    calls = []
-    usage = linear_usage(limit)
-    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
-    assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
-    accum = total // (b * seq_len * world)
-    assert b * seq_len * world * accum == total
-    assert f"micro_batch {b}" in reason and f"grad_accum {accum}" in reason
-    assert len(calls) <= 2 * max(1, total // (seq_len * world)).bit_length()  # bisection, not a scan
-
-
-def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
-    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
-    assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
-    assert "grad_accum 10" in reason and "80 runs out of memory" in reason
-
-
-def test_search_falls_back_below_8_and_says_so():
-    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
-    assert b == 4 and "no multiple of 8 fits" in reason
-
-
-def test_search_keeps_headroom():
-    usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
-    speed = lambda b: float(b)  # noqa: E731
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
-
-
-def test_search_treats_oom_as_not_fitting():
-    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
-    assert b == 16 and "32 runs out of memory" in reason
-
-
-def test_search_respects_max_micro_batch():
-    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
-
-
-def test_search_refuses_what_cannot_divide_or_fit():
-    with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
-    with pytest.raises(ValueError, match="no micro-batch fits"):
-        memory.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
-
-
-# -----------------------------------------------------------------------------
-# probing on the real model (the CPU half of what runs on CUDA)
-
-
-def tiny_model_and_optimizer(vocab=256):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
-    return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-
-
-def test_search_skips_sizes_that_fail_when_timed():
-    """The timed model (compiled) may fail where the eager probe fit: such sizes are out, and while none of
-    the timed ones ran the search goes on down the sizes that fit."""
-    usage = linear_usage(64)  # 64 rows: 8, 16, 32 and 64 divide them, all fit
-    timed = []
-
-    def measure(b):
-        timed.append(b)
-        return None if b > 16 else float(b)
-    b, reason = memory.search_micro_batch(usage, measure, 1024, 64 * 1024)
-    assert timed == [64, 32, 16]
-    assert b == 16 and "out of memory or over the 90% limit" in reason, reason
-    timed.clear()
-    b, reason = memory.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
-                                             1024, 64 * 1024)
-    assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
-    with pytest.raises(ValueError, match="could be timed"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
-
-
-def test_auto_micro_batch_falls_back_on_cpu():
-    model, opt = tiny_model_and_optimizer()
-    b, reason, timed = memory.auto_micro_batch(model, [opt], 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
-    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
-    with pytest.raises(ValueError, match="not divisible"):
-        memory.auto_micro_batch(model, [opt], 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
-
-
-def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
-    model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    lrs = [g["lr"] for g in opt.param_groups]
-    seconds = memory.probe_steps(model, [opt], 2, 16, "cpu", default_plan("cpu"), steps=2)
-    assert seconds > 0
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
-    assert [g["lr"] for g in opt.param_groups] == lrs
-    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
-    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
-
-
-# -----------------------------------------------------------------------------
 # memory accounting
-
-
-@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
-                                        ("naive", torch.bfloat16)])
-@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
-@pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
-def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
-                       loss_impl=loss_impl, activation_checkpointing=ckpt)
-    model = GPT(config)
-    x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
-    saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
-    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
 
 
 def live_after_forward(model, x, y):
@@ -367,7 +224,8 @@ def test_checkpointing_keeps_only_block_inputs():
     kept = {}
     for mode in ("none", "blocks", "every_other"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C, activation_checkpointing=mode))
+        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C,
+                              activation_checkpointing=mode))
         x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
         kept[mode] = bench.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
         assert kept[mode] == live_after_forward(model, x, y)
@@ -391,21 +249,9 @@ def test_chunked_loss_lowers_the_step_peak():
     assert peaks["full"] - peaks["chunked"] > 2 * B * T * V * 4
 
 
-def test_memory_summary_counts_the_tensors_on_cpu():
-    model, opt = tiny_model_and_optimizer(vocab=50257)
-    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
-    line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
-    assert f"params {memory.fmt_bytes(4 * n)}" in line and f"grads {memory.fmt_bytes(4 * n)}" in line
-    state = 2 * 4 * n + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
-    assert f"optimizer state {memory.fmt_bytes(state)}" in line
-    assert "activations ~" in line and "n/a on cpu" in line
-    assert "\n" not in line
-
-
 def test_memory_report_on_cpu_separates_every_part():
-    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4, fsdp=True)
+    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4,
+                                fsdp=True)
     text = "\n".join(lines)
     for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "step peak", "allocator",
                  "TF32 off vs on", "full loss, activation checkpointing every_other", "per rank, FSDP over 4"):
@@ -417,49 +263,7 @@ def test_memory_report_on_cpu_separates_every_part():
 
 
 # -----------------------------------------------------------------------------
-# what a rank needs: the estimate behind --fit and the finder's cap
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loss_impl,ckpt", [("full", "none"), ("chunked", "none"), ("chunked", "every_other"),
-                                            ("chunked", "blocks")])
-def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
-    """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
-    peak of forward + backward and not wildly above it."""
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl,
-                       activation_checkpointing=ckpt)
-    x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
-    measured = bench.step_peak_bytes(GPT(config), x, y, cpu_plan(dtype))
-    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu")
-    n = sum(p.numel() for p in GPT(config).parameters())
-    assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
-    step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
-    assert measured <= step <= 1.5 * measured
-
-
-def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
-    config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-xl"])
-    n, block = memory.param_counts(config)
-    assert round(n / 1e6) == 1558
-    one = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
-    ddp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
-    fsdp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
-    assert one["parameters"] + one["gradients"] + one["optimizer state"] == 16 * n  # ~25 GB
-    assert ddp["DDP buckets"] == 4 * n and one["DDP buckets"] == 0
-    assert fsdp["optimizer state"] == 8 * n // 8 and fsdp["FSDP gathered"] == 2 * 4 * (n - 48 * block) + 3 * 2 * block
-    assert fsdp["activations"] == one["activations"] - 2 * 48 * 12 * 1600 ** 2  # no autocast copies of block weights
-
-
-def test_estimated_micro_batch_is_the_largest_that_fits():
-    config = GPTConfig(vocab_size=50304, activation_checkpointing="every_other", **bench.SIZES["gpt2-medium"])
-    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
-    budget = 0.9 * 40 * 2**30
-    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
-    assert b > 1 and total(b) <= budget < total(b + 1)
-    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
-    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget)
-    assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
+# what fits where: the table behind --fit
 
 
 def test_fit_table_orders_the_modes():
@@ -471,41 +275,3 @@ def test_fit_table_orders_the_modes():
         assert c[0] <= c[1] <= c[2] <= c[3] and c[4] <= c[1] and c[6] >= c[4] and c[7] >= c[6]
     xl_t4 = cells[len(bench.GPUS)]
     assert xl_t4[:6] == [0] * 6 and xl_t4[6] > 0  # 1558M: 25 GB of fp32 state; on 16 GB only sharded over 8
-
-
-def test_fmt_bytes():
-    values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
-    assert [memory.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
-
-
-def _agree_worker(rank, init_file, out_dir):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        mine = [3.0, 5.0][rank]  # the ranks hold different values
-        got = [agree(mine, "max", "cpu"), agree(mine, "min", "cpu"),
-               agree([float("inf"), 1.0][rank], "min", "cpu")]
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(got, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_agree_all_reduces_under_torch_distributed(tmp_path):
-    """Two gloo processes holding 3 and 5: max is 5 and min 3 on both (one process could not tell MAX from MIN)."""
-    assert agree(3.5, "min", "cpu") == 3.5  # no process group: unchanged
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_agree_worker, args=(r, str(tmp_path / "pg"), str(tmp_path))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-    for r in range(2):
-        assert json.load(open(tmp_path / f"rank{r}.json")) == [5.0, 3.0, 1.0]

@@ -22,8 +22,7 @@ import optim  # noqa: E402
 import precision  # noqa: E402
 from data import TokenLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from test_hellaswag import make_rows, write_rows  # noqa: E402
-from test_train import load_ckpt, step_losses, tiny_args, write_shards  # noqa: E402
+from conftest import load_ckpt, make_rows, step_losses, tiny_args, write_rows, write_shards  # noqa: E402
 from train_gpt2 import main  # noqa: E402
 
 CAP = torch.cuda.get_device_capability(0)

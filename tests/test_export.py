@@ -1,32 +1,15 @@
 """python model.py export: a Hugging Face directory that transformers' own loaders, tokenizer and
 text-generation pipeline use offline, checked against our model and tiktoken."""
-import dataclasses
 import os
 
 import pytest
 import torch
 
 import model as model_py
-from model import GPT, GPTConfig
+from conftest import random_model, save_ckpt
 from tokenizer import get_encoding
 
 PROMPT = "Hello, I'm a language model,"
-
-
-def random_model(vocab_size=50304, seed=0):
-    """A tiny GPT whose every weight is random (layer norms and biases too), so greedy decoding
-    wanders through the vocabulary instead of repeating one token."""
-    torch.manual_seed(seed)
-    m = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0.0, 0.1)
-    return m
-
-
-def save_ckpt(m, path):
-    torch.save({"model": m.state_dict(), "model_args": dataclasses.asdict(m.config)}, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

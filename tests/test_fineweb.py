@@ -11,18 +11,8 @@ import numpy as np
 import pytest
 
 import fineweb
+from conftest import DOCS, snapshot, write_txt
 from tokenizer import EOT, get_encoding
-
-DOCS = [
-    "Hello, I'm a language model, and this is the first document.\n",
-    "  leading spaces, trailing spaces and newlines   \n\n\n",
-    "Unicode: café, naïve, 日本語, emoji 🙂 and the dash — done.",
-    "A document that spells out <|endoftext|> must keep it as plain text.",
-    "\n",  # whitespace only
-    "Windows\r\nline\r\nendings\r\n" + "and a longer paragraph that spans many tokens. " * 12,
-    "x" * 300 + " " + "1234567890" * 7,
-    "The last one ends without a newline",
-]
 
 
 def reference(docs):
@@ -34,28 +24,22 @@ def reference(docs):
     return np.array(out, dtype=np.uint16)
 
 
-def write_txt(d, docs):
-    paths = []
-    for i, doc in enumerate(docs):
-        paths.append(str(d / f"doc{i:02d}.txt"))
-        with open(paths[-1], "w", encoding="utf-8", newline="") as f:
-            f.write(doc)
-    return paths
-
-
 def shards_in(out):
     return sorted(f for f in os.listdir(out) if f.endswith(".npy"))
-
-
-def snapshot(out):
-    """Every file in out_dir with its bytes."""
-    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
 
 
 def concat(out):
     names = shards_in(out)
     order = [n for n in names if "_val_" in n] + [n for n in names if "_train_" in n]  # val first
     return np.concatenate([np.load(os.path.join(out, n)) for n in order])
+
+
+def recording(write_shard, calls):
+    """write_shard that notes each file's name in calls first."""
+    def write(path, tokens):
+        calls.append(os.path.basename(path))
+        return write_shard(path, tokens)
+    return write
 
 
 def run_error(capsys, argv, code=2):
@@ -183,7 +167,7 @@ def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeyp
 
     # second interruption: a shard renamed into place, then killed before the manifest lists it
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
 
     def write_json_then_stop(path, obj):
         if len(obj["shards"]) == 5:
@@ -255,7 +239,7 @@ def test_val_fraction_takes_the_head_of_every_chunk(corpus, tmp_path, monkeypatc
     assert fineweb.main(argv + [out2]) == 130
     assert calls[-1] == "edufineweb_train_000002.npy"
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", lambda p, t: (calls.append(os.path.basename(p)), real_write_shard(p, t))[1])
+    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
     assert fineweb.main(argv + [out2]) == 0
     assert calls[0] == "edufineweb_val_000002.npy"  # chunks 0 and 1 kept, chunk 2 redone from its val part
     assert snapshot(out2) == done
@@ -404,7 +388,8 @@ def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
 
 def test_dataset_that_cannot_be_opened(tmp_path, capsys):
     os.makedirs(tmp_path / "empty")
-    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"), "--num_proc", "1"])
+    line = run_error(capsys, ["--dataset", str(tmp_path / "empty"), "--out_dir", str(tmp_path / "out"),
+                              "--num_proc", "1"])
     assert "could not open" in line and "empty" in line
 
 

@@ -19,10 +19,7 @@ import logger
 import model as model_py
 import train_gpt2
 from model import GPT
-from test_export import random_model, save_ckpt
-from test_fineweb import DOCS, snapshot, write_txt
-from test_survive import assert_same_state
-from test_train import ROOT, tiny_args
+from conftest import DOCS, ROOT, assert_same_state, random_model, save_ckpt, snapshot, tiny_args, write_txt
 
 def failing_on(call, real, write_half):
     """A stand-in for a writer that behaves as `real` except on its call-th call, where it writes
@@ -142,7 +139,8 @@ def test_a_real_checkpoint_write_error_is_one_line_and_exit_1(data_dir, straight
     out = str(tmp_path / "run")
     r = run_limited(tiny_args(data_dir, out), os.path.getsize(os.path.join(straight, "ckpt_000004.pt")) // 2, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {os.path.join(out, 'ckpt_000004.pt')}: "), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {os.path.join(out, 'ckpt_000004.pt')}: "), r.stderr
     assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
     assert [row["step"] for row in log_rows(out) if "loss" in row] == [0, 1, 2, 3]  # the log up to the failed save
 

@@ -1,7 +1,7 @@
 """The parsers that read what users hand us, fuzzed with hypothesis: arbitrary strings and bytes are
 either accepted or refused with our one error type (fileio.UserError, one line), never anything else.
 
-    the --key=value and config-file parser   train_gpt2.parse_args / read_config_file
+    the --key=value and config-file parser   config.parse_args / read_config_file
     the HellaSwag row loader                 hellaswag.parse_row / load_examples
     the shard loader                         data.TokenLoader (load_shard)
     the checkpoint loader                    model.read_checkpoint / GPT.from_checkpoint
@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import config
 import fineweb
 import hellaswag
-import train_gpt2
+from conftest import write_shards
 from data import TokenLoader
 from fileio import UserError
 from model import GPT, GPTConfig, read_checkpoint
-from test_train import write_shards
 from tokenizer import get_encoding
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -44,7 +44,7 @@ def accepted_or_user_error(fn, *args):
 # -----------------------------------------------------------------------------
 # the trainer's config: --key=value arguments and config files
 
-KEYS = sorted(train_gpt2.FIELDS)
+KEYS = sorted(config.FIELDS)
 key = st.one_of(st.sampled_from(KEYS), st.text(max_size=12))
 value_text = st.one_of(st.text(max_size=20), st.sampled_from(["0", "-1", "1e999", "nan", "inf", "-inf", "auto", "true",
                                                               "yes", "1.5", "0x10", "1_000", "9" * 5000, ""]))
@@ -56,18 +56,19 @@ argument = st.one_of(st.builds(lambda k, v: f"--{k}={v}", key, value_text), st.b
 @given(argv=st.lists(argument, max_size=5))
 def test_command_line_is_parsed_or_refused(argv, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.getbasetemp())  # a bare word is a config file path: none of ours
-    result = accepted_or_user_error(train_gpt2.parse_args, argv)
+    result = accepted_or_user_error(config.parse_args, argv)
     if result is not None:
         cfg, given_keys = result
-        assert set(given_keys) <= set(train_gpt2.FIELDS)
-        assert isinstance(cfg, train_gpt2.Config)
+        assert set(given_keys) <= set(config.FIELDS)
+        assert isinstance(cfg, config.Config)
 
 
 python_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
-                            lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                            lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                    st.dictionaries(st.text(max_size=5), inner, max_size=3)),
                             max_leaves=5)
-assignment = st.builds(lambda k, v: f"{k} = {v!r}", st.one_of(st.sampled_from(KEYS), st.from_regex(r"[a-z_]{1,8}", fullmatch=True)),
-                       python_value)
+assignment = st.builds(lambda k, v: f"{k} = {v!r}",
+                       st.one_of(st.sampled_from(KEYS), st.from_regex(r"[a-z_]{1,8}", fullmatch=True)), python_value)
 config_text = st.one_of(st.lists(assignment, max_size=4).map("\n".join), st.text(max_size=80))
 
 
@@ -77,7 +78,7 @@ def test_config_file_is_read_or_refused(text, tmp_path_factory):
     path = os.path.join(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()), "config.py")
     with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(text)
-    accepted_or_user_error(train_gpt2.parse_args, [path])
+    accepted_or_user_error(config.parse_args, [path])
 
 
 @FUZZ
@@ -86,16 +87,20 @@ def test_config_file_of_bytes_is_read_or_refused(data, tmp_path_factory):
     path = os.path.join(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()), "config.py")
     with open(path, "wb") as f:
         f.write(data)
-    accepted_or_user_error(train_gpt2.parse_args, [path])
+    accepted_or_user_error(config.parse_args, [path])
 
 # -----------------------------------------------------------------------------
 # HellaSwag rows
 
-json_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10)),
-                          lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+json_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                                    st.text(max_size=10)),
+                          lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                  st.dictionaries(st.text(max_size=6), inner, max_size=4)),
                           max_leaves=8)
-row = st.fixed_dictionaries({}, optional={"ctx": json_value | st.text(max_size=30), "label": json_value | st.sampled_from([0, 3, "2", " 1", "²"]),
-                                          "endings": json_value | st.lists(st.text(max_size=10), min_size=3, max_size=5)})
+endings = json_value | st.lists(st.text(max_size=10), min_size=3, max_size=5)
+row = st.fixed_dictionaries({}, optional={"ctx": json_value | st.text(max_size=30),
+                                          "label": json_value | st.sampled_from([0, 3, "2", " 1", "²"]),
+                                          "endings": endings})
 line = st.one_of(row.map(json.dumps), json_value.map(json.dumps), st.text(max_size=60), st.just("[" * 100000))
 
 
@@ -108,7 +113,8 @@ def test_hellaswag_row_is_parsed_or_refused(line):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.one_of(st.binary(max_size=300), st.lists(line, max_size=4).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass"))))
+@given(data=st.one_of(st.binary(max_size=300),
+                      st.lists(line, max_size=4).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass"))))
 def test_hellaswag_file_is_loaded_or_refused(data, tmp_path_factory):
     path = os.path.join(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()), "rows.jsonl")
     with open(path, "wb") as f:
@@ -134,7 +140,8 @@ arrays = hnp.arrays(st.sampled_from([np.dtype(t) for t in ("<u2", ">u2", "<i4", 
                     hnp.array_shapes(min_dims=0, max_dims=2, max_side=40))
 shard_bytes = st.one_of(st.binary(max_size=200), arrays.map(npy_bytes),
                         st.tuples(arrays.map(npy_bytes), st.integers(0, 400)).map(lambda t: t[0][:t[1]]),  # truncated
-                        st.lists(st.integers(0, 2**16 - 1), max_size=800).map(lambda v: npy_bytes(np.array(v, np.uint16))))
+                        st.lists(st.integers(0, 2**16 - 1), max_size=800).map(
+                            lambda v: npy_bytes(np.array(v, np.uint16))))
 
 
 @FUZZ
@@ -198,7 +205,8 @@ ARG_KEYS = ["block_size", "vocab_size", "n_layer", "n_head", "n_embd", "ce_chunk
 
 
 @FUZZ
-@given(args=st.dictionaries(st.sampled_from(ARG_KEYS), some_value, max_size=2), drop=st.sets(st.integers(0, 20), max_size=2),
+@given(args=st.dictionaries(st.sampled_from(ARG_KEYS), some_value, max_size=2),
+       drop=st.sets(st.integers(0, 20), max_size=2),
        shapes=st.dictionaries(st.integers(0, 20), st.lists(st.integers(0, 9), max_size=2), max_size=2))
 def test_checkpoint_with_changed_contents_is_loaded_or_refused(args, drop, shapes, real_checkpoint, tmp_path_factory):
     """A real checkpoint with model_args values replaced, weights dropped or reshaped."""
@@ -214,8 +222,8 @@ def test_checkpoint_with_changed_contents_is_loaded_or_refused(args, drop, shape
 
 
 anything = st.recursive(some_value | st.lists(st.integers(0, 4), max_size=2).map(torch.zeros),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["model", "model_args", "step"]
-                                                                                                      + ARG_KEYS), inner, max_size=4),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                            st.sampled_from(["model", "model_args", "step"] + ARG_KEYS), inner, max_size=4),
                         max_leaves=8)
 
 
@@ -237,11 +245,14 @@ def test_the_real_checkpoint_is_accepted(real_checkpoint, tmp_path):
 # fineweb.py's manifest.json
 
 
+shard_entry = st.fixed_dictionaries({"name": st.text(max_size=8), "tokens": json_value, "sha256": json_value,
+                                     "next": json_value})
+shard_list = st.lists(json_value | shard_entry, max_size=3)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(manifest=st.one_of(json_value, st.fixed_dictionaries({"tokenizer": json_value, "settings": json_value,
-                                                             "shards": st.lists(json_value | st.fixed_dictionaries(
-                                                                 {"name": st.text(max_size=8), "tokens": json_value,
-                                                                  "sha256": json_value, "next": json_value}), max_size=3)})),
+                                                             "shards": shard_list})),
        raw=st.binary(max_size=50), use_raw=st.booleans())
 def test_manifest_is_read_or_refused(manifest, raw, use_raw, tmp_path_factory, capsys):
     d = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())

@@ -2,7 +2,6 @@ import io
 import json
 import math
 import os
-import random
 import urllib.error
 from dataclasses import asdict
 
@@ -14,34 +13,13 @@ import torch.multiprocessing as mp
 import hellaswag
 from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
                        packable, packed_len, rows_of, score_one)
+from conftest import make_rows, save_ckpt, write_rows
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import make_plan
 from tokenizer import get_encoding
 
 CPU = make_plan("cpu")
-
-WORDS = ("man woman dog ball kitchen knife water slowly quickly jumps runs paints wall car road tree "
-         "rope bike window table chair sings plays guitar piano holds lifts throws catches").split()
-
-
-def make_rows(n, seed=0, ctx_words=(3, 30), end_words=(1, 12)):
-    rng = random.Random(seed)
-    sent = lambda k: " ".join(rng.choices(WORDS, k=k)).capitalize() + "."  # noqa: E731
-    return [{"ind": i, "ctx": sent(rng.randint(*ctx_words)), "label": rng.randrange(4),
-             "endings": [sent(rng.randint(*end_words)) for _ in range(4)], "split": "val"} for i in range(n)]
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
-    return str(path)
-
-
-def save_ckpt(path, model):
-    torch.save({"model_args": asdict(model.config), "model": model.state_dict()}, path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
@@ -129,7 +107,8 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
                               atol=1e-4)
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [4, 4, 1] and res["truncated"] == 0
     assert [r["pred"] for r in res["examples"]] == ref_sum.argmin(dim=1).tolist()
@@ -176,7 +155,8 @@ def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
     assert [packable(ex, 128) for ex in examples] == [False] * 3 + [True] * 2
     assert not any(rows_of(ex, 128)[2] for ex in examples)
     calls = []
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
     res = evaluate(model, examples, plan=CPU, batch_size=4)
     assert calls == [2] and res["truncated"] == 0 and res["n"] == 5
     loop = [score_one(model, ex) for ex in examples]
@@ -239,7 +219,7 @@ def test_acc_and_acc_norm_differ_when_length_matters(tmp_path, capsys):
     assert torch.allclose(s, torch.tensor([hi, hi + 5 * lo, 2 * hi, 3 * hi]), atol=1e-3)
     assert torch.allclose(m, torch.tensor([hi, (hi + 5 * lo) / 6, hi, hi]), atol=1e-3)
     # through the CLI, from one of our checkpoints
-    ckpt = save_ckpt(tmp_path / "ckpt_000010.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt_000010.pt")
     out = tmp_path / "res.json"
     assert hellaswag.main(["--model", ckpt, "--data", path, "--json", str(out), "--device", "cpu"]) == 0
     res = json.loads(out.read_text())
@@ -254,7 +234,7 @@ def test_acc_and_acc_norm_differ_when_length_matters(tmp_path, capsys):
 
 def test_cli_hf_dir_matches_checkpoint(hf_dir, model, examples, tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", make_rows(9))
-    ckpt = save_ckpt(tmp_path / "ckpt_000001.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt_000001.pt")
     outs = []
     for name in (hf_dir, ckpt):
         out = tmp_path / f"{len(outs)}.json"
@@ -289,7 +269,8 @@ def test_compiled_model_packs_compiles_once_and_mode_is_restored(model, examples
     ref = evaluate(model, examples, plan=CPU, batch_size=4)  # eager, packed
     loop = [score_one(model, ex) for ex in examples]  # the one-example reference
     model.train()
-    monkeypatch.setattr(hellaswag, "collate_packed", lambda b, shape=None: calls.append(shape) or collate_packed(b, shape))
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(shape) or collate_packed(b, shape))
     first = evaluate(compiled, examples, plan=CPU, batch_size=4)  # 3 batches, the last one short
     assert model.training
     n_eval = len(graphs) - n_train
@@ -382,7 +363,7 @@ def _worker(rank, world_size, ckpt, examples, init_file, out_dir):
 
 
 def test_two_process_gloo_equals_one_process(model, examples, tmp_path):
-    ckpt = save_ckpt(tmp_path / "ckpt.pt", model)
+    ckpt = save_ckpt(model, tmp_path / "ckpt.pt")
     mp.spawn(_worker, args=(2, ckpt, examples, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     single = evaluate(model, examples, plan=CPU, batch_size=2)

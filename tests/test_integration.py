@@ -9,13 +9,11 @@ import numpy as np
 
 import fineweb
 import hellaswag
-from test_hellaswag import make_rows, write_rows
-from test_train import load_ckpt, read_log
+from conftest import ROOT, load_ckpt, make_rows, read_log, write_rows
 from tokenizer import EOT, get_encoding
 from data import TokenLoader
 from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"Document {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (5 + i % 7)) for i in range(40)]
 
 
@@ -79,7 +77,10 @@ def test_hellaswag_in_training_two_ranks_match_one(tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    pick = lambda d: [(e["step"], e["hellaswag_acc"], e["hellaswag_acc_norm"]) for e in read_log(d) if "hellaswag_acc" in e]  # noqa: E731
+
+    def pick(out_dir):
+        rows = [e for e in read_log(out_dir) if "hellaswag_acc" in e]
+        return [(e["step"], e["hellaswag_acc"], e["hellaswag_acc_norm"]) for e in rows]
     assert len(pick(one)) == 2 and pick(one)[0] == pick(two)[0]  # step 0: identical weights, split examples
     # after one step the weights agree to float rounding; the counts must agree exactly
     assert pick(one)[1] == pick(two)[1]

@@ -1,14 +1,12 @@
 """logger.py and the trainer's console: TensorBoard event files and the W&B run carry log.jsonl's
 numbers plus MFU and memory; a dashboard whose package is missing stops the run with one line; the
-ETA; the micro-step bar shows on a terminal only, and only inside slow steps. Also --help."""
-import dataclasses
+ETA; the micro-step bar shows on a terminal only, and only inside slow steps. (--help: tests/test_config.py.)"""
 import glob
 import importlib.machinery
 import io
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import types
@@ -17,12 +15,9 @@ import pytest
 
 import logger
 import precision
-import config
-import train_gpt2
-from test_train import read_log, tiny_args
-from train_gpt2 import Config, main
+from conftest import read_log, tiny_args
+from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = ("loss", "lr", "norm", "dt_ms", "tok_per_s")
 
 
@@ -104,7 +99,8 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(data_dir, tmp_path, monkeyp
             runs.append((call[1], []))
         elif call[0] == "log":
             runs[-1][1].append(call[1])
-    assert [(kw.get("id"), kw.get("resume")) for kw, _ in runs] == [(None, None), ("run1", "allow"), (None, None), (None, None)]
+    assert [(kw.get("id"), kw.get("resume")) for kw, _ in runs] == \
+        [(None, None), ("run1", "allow"), (None, None), (None, None)]
     assert runs[0][1][0] == 0 and runs[1][1][0] == 2 and max(runs[1][1]) == 4  # steps 2-4 go on in run1
 
 
@@ -188,41 +184,3 @@ def test_step_line_eta_and_bar_in_a_run(data_dir, tmp_path, monkeypatch):
     assert all(re.search(r"\| ETA \d+s$", line) for line in lines[1:])
     assert stderr.getvalue().count("micro-steps") >= 3 and "micro-steps" not in stdout.getvalue()
     assert "micro-steps" not in open(os.path.join(out, "log.jsonl")).read()
-
-# -----------------------------------------------------------------------------
-# --help
-
-
-def test_help_lists_every_key_by_section(capsys):
-    source = open(config.__file__).read()
-    body = re.search(r"^class Config:\n(.*?)\n\n", source, re.S | re.M).group(1)  # Config's lines
-    assert main(["--help"]) == 0
-    out = capsys.readouterr().out
-    assert main(["-h"]) == 0 and capsys.readouterr().out == out
-    flat = " ".join(out.split())  # the meanings may be wrapped
-    positions = []
-    for line in body.splitlines():
-        if re.match(r"\s+#", line):  # a section
-            positions.append(out.index("\n" + line.strip().lstrip("# ") + ":\n"))
-            continue
-        name, kind, meaning = re.match(r"\s+(\w+): (\w+) = .*?  # (.*)$", line).groups()  # every key has a meaning
-        field = train_gpt2.FIELDS[name]
-        assert kind == field.type.__name__
-        positions.append(out.index(f"\n  --{name} "))
-        assert " ".join(f"{meaning} (default: {json.dumps(field.default)})".split()) in flat, name
-    assert positions == sorted(positions)  # in Config's order, under their sections
-    assert {f.name for f in dataclasses.fields(Config)} == set(re.findall(r"^  --(\w+) ", out, re.M))
-
-
-def test_help_from_the_command_line():
-    res = subprocess.run([sys.executable, "train_gpt2.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.startswith("usage: python train_gpt2.py")
-    assert "--micro_batch_size int|auto" in res.stdout and "--precision auto|bf16|fp16|fp32" in res.stdout
-
-
-def test_help_fits_an_80_column_terminal():
-    """Each key's meaning wraps at the terminal's width under its name, not in a narrow column beside it."""
-    out = config.help_text(width=80)
-    meaning_lines = [line for line in out.splitlines() if line.startswith("      ")]
-    assert meaning_lines and all(len(line) <= 80 for line in out.splitlines() if line.startswith(" "))
-    assert sum(len(line) > 60 for line in meaning_lines) > len(meaning_lines) // 3  # lines use the width

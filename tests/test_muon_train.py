@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import model as model_py
-from test_train import load_ckpt, read_log, step_losses, tiny_args  # TEMP
-from test_train_fsdp import run_ranks  # TEMP
+from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args
 from model import GPT
 from tokenizer import get_encoding
 from train_gpt2 import main

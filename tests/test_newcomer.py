@@ -18,22 +18,13 @@ import config
 import hellaswag
 import sample
 import train_gpt2
+from conftest import tiny_args
 from config import Config, parse_args
 from fileio import UserError
 
 ROW = {"ctx": "A man is sitting on a roof. He", "label": 0,
        "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
                    "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}
-
-
-def tiny(data_dir, out_dir, **over):
-    """test_train's tiny run (1 layer, 32 wide, 64-token vocab) as --key=value arguments."""
-    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
-                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
-                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
-                checkpoint_interval=4, seed=0)
-    args.update(over)
-    return [f"--{k}={v}" for k, v in args.items()]
 
 
 def error_line(capsys):
@@ -48,7 +39,7 @@ def error_line(capsys):
 
 def test_min_lr_above_max_lr_is_refused_before_anything_is_written(data_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    assert train_gpt2.main(tiny(data_dir, str(out), max_lr=1e-4, min_lr=1e-3)) == 2
+    assert train_gpt2.main(tiny_args(data_dir, str(out), max_lr=1e-4, min_lr=1e-3)) == 2
     assert error_line(capsys) == ("error: min_lr=0.001 is above max_lr=0.0001: the cosine decays from max_lr down to "
                                   "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
     assert not out.exists()
@@ -57,7 +48,7 @@ def test_min_lr_above_max_lr_is_refused_before_anything_is_written(data_dir, tmp
 
 def test_warmup_not_below_max_steps_is_warned_and_runs(data_dir, tmp_path, capsys):
     """configs/gpt2_124m.py --max_steps=100 (the README's try-out) warms up over 715 steps: odd, not wrong."""
-    assert train_gpt2.main(tiny(data_dir, str(tmp_path / "out"), warmup_steps=8, max_steps=8)) == 0
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "out"), warmup_steps=8, max_steps=8)) == 0
     out = capsys.readouterr().out
     assert ("warning: warmup_steps=8 is not below max_steps=8: the learning rate never reaches max_lr and never "
             "decays") in out
@@ -69,7 +60,7 @@ def test_warmup_not_below_max_steps_is_warned_and_runs(data_dir, tmp_path, capsy
 
 
 def test_divergence_advice_never_says_set_grad_clip_when_it_is_set(data_dir, tmp_path, capsys):
-    assert train_gpt2.main(tiny(data_dir, str(tmp_path / "out"), max_lr=1e20, min_lr=1e20, max_steps=20,
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "out"), max_lr=1e20, min_lr=1e20, max_steps=20,
                                 max_skipped=3, grad_clip=1.0, checkpoint_interval=0)) == 3
     err = error_line(capsys)
     assert err.startswith("error: the run diverged") and "lower grad_clip (e.g. 0.5)" in err
@@ -105,7 +96,7 @@ def test_nanogpt_names_get_a_did_you_mean(name, ours, tmp_path, capsys):
 def run_dir(data_dir, tmp_path_factory):
     """A finished tiny run with GPT-2's vocabulary and two checkpoints, steps 2 and 3."""
     out = str(tmp_path_factory.mktemp("run") / "out")
-    assert train_gpt2.main(tiny(data_dir, out, vocab_size=50304, max_steps=3, checkpoint_interval=2, keep_last=0,
+    assert train_gpt2.main(tiny_args(data_dir, out, vocab_size=50304, max_steps=3, checkpoint_interval=2, keep_last=0,
                                 eval_interval=0)) == 0
     assert sorted(f for f in os.listdir(out) if f.endswith(".pt")) == ["ckpt_000002.pt", "ckpt_000003.pt"]
     return out

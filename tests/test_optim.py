@@ -201,8 +201,9 @@ def test_torch_without_muon_is_one_line(monkeypatch):
 
 def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
     """GradScaler skips each optimizer on its own gradients: a nan in wte's (AdamW) leaves Muon's step on,
-    and the clip has made Muon's gradients nan (an inf: zero, and Muon still decays and moves by momentum). So a non-finite step skips every optimizer's step and
-    only updates the scale (unscale_ recorded the inf), as the trainer must do."""
+    and the clip has made Muon's gradients nan (an inf: zero, and Muon still decays and moves by momentum).
+    So a non-finite step skips every optimizer's step and only updates the scale (unscale_ recorded the
+    inf), as the trainer must do."""
     def nan_in_wte():
         model = tiny()
         opts = optim.build_optimizers(model, "muon", verbose=False)

@@ -27,7 +27,7 @@ import checkpoint
 import precision
 import train_gpt2
 from checkpoint import OutDirLock
-from conftest import ROOT, LaunchedTree, alive, end_processes, wait_for
+from conftest import ROOT, LaunchedTree, alive, end_processes, read_log, tiny_args, wait_for
 from fileio import UserError, umask
 
 TRAINER = os.path.join(ROOT, "train_gpt2.py")
@@ -38,16 +38,6 @@ WORDS = ("the river ran past the mill and the miller counted his sacks of grain 
 
 # -----------------------------------------------------------------------------
 # helpers: tiny runs, run or started in subprocesses that are always ended
-
-
-def tiny(data_dir, out_dir, **over):
-    """test_train's tiny run (1 layer, 32 wide, 64-token vocab) as --key=value arguments."""
-    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
-                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
-                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
-                checkpoint_interval=4, seed=0)
-    args.update(over)
-    return [f"--{k}={v}" for k, v in args.items() if v is not None]
 
 
 def book(path, n_words=3000, seed=0):
@@ -93,16 +83,11 @@ def files(folder):
     return found
 
 
-def read_log(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def one_line(err):
     """The single `error: ...` line a refused command prints last on stderr (after progress bars, if any, and
     no traceback), or AssertionError showing what it printed."""
     lines = err.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and sum(l.startswith("error") for l in lines) == 1 \
+    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error") for x in lines) == 1 \
         and "Traceback" not in err, err
     return lines[-1]
 
@@ -116,8 +101,8 @@ def test_a_second_live_trainer_is_refused_and_the_first_finishes_intact(data_dir
     config.json and checkpoint are those of the same run made alone."""
     out, alone = str(tmp_path / "out"), str(tmp_path / "alone")
     shape = dict(max_steps=200, eval_interval=100, val_steps=1, checkpoint_interval=100)
-    first = tiny(data_dir, out, **shape)
-    assert trainer(tiny(data_dir, alone, **shape))[0] == 0
+    first = tiny_args(data_dir, out, **shape)
+    assert trainer(tiny_args(data_dir, alone, **shape))[0] == 0
     lock = os.path.join(out, "run.lock")
     with LaunchedTree([[sys.executable, TRAINER, *first]], tmp_path, env=ENV) as run:
         holder = run.procs[0]
@@ -126,7 +111,7 @@ def test_a_second_live_trainer_is_refused_and_the_first_finishes_intact(data_dir
         os.kill(holder.pid, signal.SIGSTOP)  # alive and holding out_dir while the second one tries
         assert holder.poll() is None, run.logs()
         held, before = json.load(open(lock)), files(out)
-        code, _, err = trainer(tiny(data_dir, out, max_steps=200, seed=1, max_lr=2e-2), timeout=120)
+        code, _, err = trainer(tiny_args(data_dir, out, max_steps=200, seed=1, max_lr=2e-2), timeout=120)
         line = one_line(err)
         assert code == 2 and f"out_dir {out!r} is in use by a live run: pid {holder.pid} on {socket.gethostname()}, " \
             f"since {held['since']}" in line and "choose another --out_dir" in line, line
@@ -151,7 +136,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_resume_auto_continues(dat
     out = str(tmp_path / "out")
     lock = os.path.join(out, "run.lock")
     args = dict(max_steps=100000, eval_interval=0, checkpoint_interval=4, resume="auto")
-    with LaunchedTree([[sys.executable, TRAINER, *tiny(data_dir, out, **args)]], tmp_path, env=ENV) as run:
+    with LaunchedTree([[sys.executable, TRAINER, *tiny_args(data_dir, out, **args)]], tmp_path, env=ENV) as run:
         killed = run.procs[0]
         wait_for(lambda: os.path.exists(checkpoint.checkpoint_path(out, 8)) or killed.poll() is not None, 120,
                  "the run's second checkpoint")
@@ -159,7 +144,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_resume_auto_continues(dat
         assert run.wait(30) == [-signal.SIGKILL], run.logs()
     assert json.load(open(lock))["pid"] == killed.pid  # left behind by the killed run
     step = checkpoint.checkpoint_files(out)[0][0]  # the newest complete checkpoint
-    code, stdout, err = trainer(tiny(data_dir, out, **dict(args, max_steps=step + 4)))
+    code, stdout, err = trainer(tiny_args(data_dir, out, **dict(args, max_steps=step + 4)))
     assert code == 0, err
     assert f"resuming from {checkpoint.checkpoint_path(out, step)} at step {step}" in stdout and "in use" not in err
     assert [r["step"] for r in read_log(out) if "loss" in r][-4:] == [step, step + 1, step + 2, step + 3]
@@ -332,7 +317,7 @@ def test_an_injected_cuda_out_of_memory_is_one_line(data_dir, tmp_path, monkeypa
     training step raising what the CUDA allocator raises): one line, exit 1, naming GPU memory, the micro-batch
     and what to try; the checkpoints written before are intact."""
     out = str(tmp_path / "out")
-    assert train_gpt2.main(tiny(data_dir, out, max_steps=4)) == 0
+    assert train_gpt2.main(tiny_args(data_dir, out, max_steps=4)) == 0
     real_setup, steps = train_gpt2.setup, []
 
     def on_cuda(*a, **k):
@@ -347,7 +332,7 @@ def test_an_injected_cuda_out_of_memory_is_one_line(data_dir, tmp_path, monkeypa
     monkeypatch.setattr(precision, "accumulate_gradients", step)
     before = files(out)
     capsys.readouterr()
-    assert train_gpt2.main(tiny(data_dir, out, max_steps=12, eval_interval=0, checkpoint_interval=100,
+    assert train_gpt2.main(tiny_args(data_dir, out, max_steps=12, eval_interval=0, checkpoint_interval=100,
                                 resume="auto")) == 1
     line = one_line(capsys.readouterr().err)
     assert line == ("error: out of GPU memory at micro-batch 2 x 16 (grad_accum 2): try --micro_batch_size=auto, "
@@ -367,7 +352,7 @@ def test_a_real_cpu_allocation_failure_is_one_line(data_dir, tmp_path):
     rng = np.random.default_rng(0)
     np.save(os.path.join(rows, "toy_val_000000.npy"), rng.integers(0, 64, 2000).astype(np.uint16))
     np.save(os.path.join(rows, "toy_train_000001.npy"), rng.integers(0, 64, 3000).astype(np.uint16))
-    args = tiny(rows, str(tmp_path / "out"), vocab_size=2**24, n_head=1, n_embd=2, block_size=128, seq_len=128,
+    args = tiny_args(rows, str(tmp_path / "out"), vocab_size=2**24, n_head=1, n_embd=2, block_size=128, seq_len=128,
                 micro_batch_size=8, total_batch_size=1024, max_steps=2, eval_interval=0, checkpoint_interval=0)
     code, out, err = trainer(args, address_space=8 * 2**30)
     line = one_line(err)

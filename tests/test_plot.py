@@ -11,7 +11,8 @@ import plot
 
 def make_run(path, rows, total_batch_size=1000, **config):
     os.makedirs(path, exist_ok=True)
-    json.dump({"total_batch_size": total_batch_size, "n_layer": 2, "n_embd": 64, **config}, open(path / "config.json", "w"))
+    with open(path / "config.json", "w") as f:
+        json.dump({"total_batch_size": total_batch_size, "n_layer": 2, "n_embd": 64, **config}, f)
     with open(path / "log.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)

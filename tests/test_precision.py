@@ -1,5 +1,5 @@
 """precision.py: the plan per GPU generation, user overrides, the arch check, the one autocast context,
-static-shape compile with an eager fallback, and the sm7x micro-batch fit."""
+peak FLOPs, and static-shape compile with an eager fallback. (The sm7x micro-batch fit: tests/test_memory.py.)"""
 import dataclasses
 from types import SimpleNamespace
 
@@ -8,8 +8,7 @@ import torch
 
 import precision
 from fileio import UserError
-from model import GPT, GPTConfig, PRETRAINED
-from memory import fit_micro_batch, param_counts, training_bytes_estimate
+from model import GPT, GPTConfig
 from precision import (arch_supported, autocast, compile_model, compiles, default_plan, estimate_mfu, make_plan,
                        peak_flops)
 
@@ -37,7 +36,8 @@ def test_cuda_plans(cap, dtype, scaler, tf32, compile_, attention, fit):
 @pytest.mark.parametrize("device", ["cpu", "mps"])
 def test_cpu_and_mps_plans_are_plain_fp32(device):
     plan = default_plan(device)
-    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile, plan.sdpa_backends) == (FP32, False, False, False, ())
+    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.compile, plan.sdpa_backends) == \
+        (FP32, False, False, False, ())
 
 # -----------------------------------------------------------------------------
 # user overrides on top of the plan
@@ -49,22 +49,21 @@ def fake_gpu(monkeypatch, cap, name="NVIDIA Test GPU", memory=80 * 2**30):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=memory))
 
 
-@pytest.mark.parametrize("device,cap,prec,dtype,scaler", [
-    ("cuda:0", (9, 0), "auto", BF16, False),
-    ("cuda:0", (9, 0), "fp16", FP16, True),  # fp16 override: always with a GradScaler
-    ("cuda:0", (8, 0), "fp32", FP32, False),
-    ("cuda:0", (7, 5), "auto", FP16, True),
-    ("cuda:0", (7, 5), "fp32", FP32, False),
-    ("cuda:0", (6, 1), "fp16", FP16, True),
-    ("cpu", None, "fp16", FP16, True),
-    ("cpu", None, "bf16", BF16, False),
+@pytest.mark.parametrize("device,cap,prec,dtype,scaler,tf32", [  # TF32: sm80+ only, whatever the precision
+    ("cuda:0", (9, 0), "auto", BF16, False, True),
+    ("cuda:0", (9, 0), "fp16", FP16, True, True),  # fp16 override: always with a GradScaler
+    ("cuda:0", (8, 0), "fp32", FP32, False, True),
+    ("cuda:0", (7, 5), "auto", FP16, True, False),
+    ("cuda:0", (7, 5), "fp32", FP32, False, False),
+    ("cuda:0", (6, 1), "fp16", FP16, True, False),
+    ("cpu", None, "fp16", FP16, True, False),
+    ("cpu", None, "bf16", BF16, False, False),
 ])
-def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler):
+def test_precision_override(monkeypatch, device, cap, prec, dtype, scaler, tf32):
     if cap:
         fake_gpu(monkeypatch, cap)
     plan = make_plan(device, prec)
-    assert (plan.dtype, plan.grad_scaler) == (dtype, scaler)
-    assert plan.tf32 == (cap is not None and cap[0] >= 8) and plan.capability == cap  # TF32: sm80+ only
+    assert (plan.dtype, plan.grad_scaler, plan.tf32, plan.capability) == (dtype, scaler, tf32, cap)
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1), (6, 0)])
@@ -192,51 +191,6 @@ def test_peak_unknown():
     assert peak_flops(None, FP32) is None and peak_flops("Some Future GPU", BF16) is None
 
 # -----------------------------------------------------------------------------
-# sm7x: micro-batch first, seq_len only when even one sequence does not fit
-
-
-GB = 1024 ** 3
-GPT2 = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2"])
-GPT2_MEDIUM = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-medium"])
-
-
-def test_param_count_matches_the_model():
-    with torch.device("meta"):
-        for config in (GPT2, GPT2_MEDIUM, GPTConfig(block_size=64, vocab_size=300, n_layer=3, n_head=2, n_embd=16)):
-            assert param_counts(config)[0] == GPT(config).num_params(non_embedding=False)
-
-
-def fits(config, b, t, memory, headroom=0.15):
-    return sum(training_bytes_estimate(config, b, t, FP16).values()) <= (1 - headroom) * memory
-
-
-@pytest.mark.parametrize("gpu,memory,config,expect", [
-    ("T4 16 GB", 15 * GB, GPT2, (16, 1024)),
-    ("RTX 2070 8 GB", 7.8 * GB, GPT2, (8, 1024)),
-    ("V100 32 GB", 31.7 * GB, GPT2, (64, 1024)),
-    ("T4 16 GB, 350M", 15 * GB, GPT2_MEDIUM, (4, 1024)),
-    ("V100 32 GB, 350M", 31.7 * GB, GPT2_MEDIUM, (16, 1024)),
-    ("RTX 2070 8 GB, 350M", 7.8 * GB, GPT2_MEDIUM, (1, 256)),  # not even 1 x 1024 (nor 512) fits: the sequence halves
-])
-def test_fit_micro_batch(gpu, memory, config, expect):
-    b, t, reason = fit_micro_batch(config, memory, 1024, 524288, 1, FP16)
-    assert (b, t) == expect, gpu
-    assert fits(config, b, t, memory) and not fits(config, 2 * b, t, memory)  # the largest that fits
-    assert 524288 % (b * t) == 0 and f"{b} x {t}" in reason
-    if t < 1024:
-        assert not fits(config, 1, 2 * t, memory) and f"seq_len 1024 -> {t}" in reason
-
-
-def test_fit_keeps_a_user_seq_len_and_says_when_nothing_fits():
-    with pytest.raises(UserError, match="does not fit in 7.8 GiB at seq_len 1024"):
-        fit_micro_batch(GPT2_MEDIUM, 7.8 * GB, 1024, 524288, 1, FP16, shrink_seq=False)
-    xl = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-xl"])
-    with pytest.raises(UserError, match="1558M-parameter model does not fit in 15.0 GiB at seq_len 64"):
-        fit_micro_batch(xl, 15 * GB, 1024, 524288, 1, FP16)
-    b, t, _ = fit_micro_batch(GPT2, 15 * GB, 1024, 524288, 8, FP16)  # 8 ranks: 64 rows per rank per step
-    assert (b, t) == (16, 1024) and 524288 % (b * t * 8) == 0
-
-# -----------------------------------------------------------------------------
 # compile: static shapes, and a failure is a warning, not a dead run
 
 
@@ -246,13 +200,14 @@ class Recorder:
         self.graphs = []
 
     def __call__(self, gm, example_inputs):
-        self.graphs.append(any(isinstance(s, torch.SymInt) for t in example_inputs if torch.is_tensor(t) for s in t.shape)
-                           or any(isinstance(t, torch.SymInt) for t in example_inputs))
+        sizes = [s for t in example_inputs if torch.is_tensor(t) for s in t.shape]
+        self.graphs.append(any(isinstance(s, torch.SymInt) for s in sizes + list(example_inputs)))
         return gm.forward
 
 
 def shape_sequence(model):
-    """What a run does: train at (4, 16), eval without grad at (4, 16), HellaSwag-like rows at other shapes, train again."""
+    """What a run does: train at (4, 16), eval without grad at (4, 16), HellaSwag-like rows at other shapes,
+    train again."""
     x = torch.randint(0, 64, (4, 16))
     model(x, x)[1].backward()
     with torch.no_grad():
@@ -334,7 +289,8 @@ def test_compile_probe_graph_serves_the_first_training_step():
     ("sm60", FP16, True, ("efficient", "math"), False, False, 16 * 2**30),  # P100: no Triton
     ("sm80", BF16, False, ("flash", "efficient", "math"), False, True, 40 * 2**30),
 ])
-def test_another_generations_plan_on_the_gpu_at_hand(monkeypatch, emulate, dtype, scaler, backends, fit, compiled, memory):
+def test_another_generations_plan_on_the_gpu_at_hand(monkeypatch, emulate, dtype, scaler, backends, fit, compiled,
+                                                     memory):
     fake_gpu(monkeypatch, (9, 0), name="NVIDIA H100 80GB HBM3")
     plan = make_plan("cuda:0", emulate=emulate)
     assert (plan.dtype, plan.grad_scaler, plan.sdpa_backends, plan.fit_to_memory, plan.compile) == \

@@ -105,4 +105,5 @@ def test_bad_input_is_one_line(hf_random, tmp_path, capsys):
              (["--model", hf_random, "--device", "tpu"], "not one of")]
     for argv, msg in cases:
         code, out, err = run(capsys, *argv)
-        assert code == 2 and out == "" and err.startswith("error: ") and msg in err and err.count("\n") == 1, (argv, err)
+        assert code == 2 and out == "", (argv, out)
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (argv, err)

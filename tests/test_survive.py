@@ -19,13 +19,12 @@ import torch
 
 import guard
 import precision
-from test_train import load_ckpt, tiny_args, tiny_model
+from conftest import ROOT, assert_same_state, load_ckpt, tiny_args, tiny_model
 from data import TokenLoader
 from precision import accumulate_gradients, make_plan, optimizer_step
 from guard import Guard
 from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 DDP_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
@@ -52,14 +51,6 @@ def rows(out_dir):
 
 def ckpts(out_dir):
     return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
-
-
-def assert_same_state(path_a, path_b):
-    a, b = load_ckpt(path_a), load_ckpt(path_b)
-    assert a["step"] == b["step"] and a["loader"] == b["loader"]
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +259,8 @@ def test_fresh_run_into_a_used_out_dir_is_refused(data_dir, straight, tmp_path, 
     before = open(os.path.join(out, "log.jsonl")).read()
     assert main(args(data_dir, out, max_steps=8)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "holds another run's checkpoints (ckpt_000004.pt): --resume=auto continues it" in err
+    assert err.count("\n") == 1
+    assert "holds another run's checkpoints (ckpt_000004.pt): --resume=auto continues it" in err
     assert open(os.path.join(out, "log.jsonl")).read() == before and ckpts(out) == ["ckpt_000004.pt"]
 
 
@@ -344,7 +336,8 @@ def test_log_has_no_rows_twice_after_a_hard_kill(data_dir, straight, tmp_path):
 
 
 def test_checkpoint_by_the_clock(data_dir, straight, tmp_path):
-    """checkpoint_minutes: saves with no checkpoint_interval (here 0.6 ms after the last: at every step), and changes nothing else."""
+    """checkpoint_minutes: saves with no checkpoint_interval (here 0.6 ms after the last: at every step), and
+    changes nothing else."""
     out = str(tmp_path / "clock")
     assert main(args(data_dir, out, max_steps=8, checkpoint_minutes=0.00001, keep_last=0)) == 0
     assert len(ckpts(out)) > 2 and "ckpt_000008.pt" in ckpts(out)
@@ -364,7 +357,8 @@ def test_keep_last(data_dir, tmp_path):
 
 
 def all_finite(out_dir):
-    return all(torch.isfinite(v).all() for name in ckpts(out_dir) for v in load_ckpt(os.path.join(out_dir, name))["model"].values())
+    weights = [load_ckpt(os.path.join(out_dir, name))["model"] for name in ckpts(out_dir)]
+    return all(torch.isfinite(v).all() for model in weights for v in model.values())
 
 
 def test_absurd_learning_rate_stops_with_one_line(data_dir, tmp_path, capsys):
@@ -373,8 +367,8 @@ def test_absurd_learning_rate_stops_with_one_line(data_dir, tmp_path, capsys):
     out = str(tmp_path / "boom")
     assert main(args(data_dir, out, max_lr=1e20, min_lr=1e20, max_steps=50, checkpoint_interval=1, keep_last=0)) == 3
     err = capsys.readouterr().err
-    assert err.startswith("error: the run diverged: 10 optimizer steps in a row were skipped (inf/nan loss or gradients), "
-                          "the last at step 10") and err.count("\n") == 1 and "lower max_lr" in err, err
+    assert err.startswith("error: the run diverged: 10 optimizer steps in a row were skipped (inf/nan loss or "
+                          "gradients), the last at step 10") and err.count("\n") == 1 and "lower max_lr" in err, err
     assert [r["step"] for r in rows(out) if r.get("skipped")] == list(range(1, 11))
     assert all_finite(out) and len(ckpts(out)) == 10
     assert main(args(data_dir, str(tmp_path / "x"), max_lr=1e38)) == 2  # beyond float32's AdamW: one line up front
@@ -395,8 +389,9 @@ def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, 
     out = str(tmp_path / "inf")
     assert main(args(data_dir, out, max_steps=8, checkpoint_interval=1, keep_last=0)) == 3
     err = capsys.readouterr().err
-    assert err.startswith("error: the weights or optimizer state hold inf/nan before the checkpoint at step 4, so it is not "
-                          f"written: the run diverged (newest checkpoint: {os.path.join(out, 'ckpt_000003.pt')})"), err
+    assert err.startswith("error: the weights or optimizer state hold inf/nan before the checkpoint at step 4, so it "
+                          f"is not written: the run diverged (newest checkpoint: "
+                          f"{os.path.join(out, 'ckpt_000003.pt')})"), err
     assert ckpts(out) == ["ckpt_000001.pt", "ckpt_000002.pt", "ckpt_000003.pt"] and all_finite(out)
 
 
@@ -425,14 +420,16 @@ def test_outlier_step_is_skipped(prec, data_dir):
     before = copy.deepcopy(model.state_dict())
     loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
     seen = []
-    applied = optimizer_step([optimizer], scaler, list(model.parameters()), 1.0, 1.0, loss, lambda l, n: seen.append((l, n)) or True).applied
+    params = list(model.parameters())
+    applied = optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss,
+                             lambda value, norm: seen.append((value, norm)) or True).applied
     assert not applied and len(seen) == 1 and seen[0][1] > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     if plan.grad_scaler:
         assert scaler.get_scale() == 65536.0  # an outlier is not an overflow: the loss scale stays
     loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
-    assert optimizer_step([optimizer], scaler, list(model.parameters()), 1.0, 1.0, loss, lambda l, n: False).applied
+    assert optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss, lambda value, norm: False).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

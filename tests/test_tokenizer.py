@@ -37,7 +37,8 @@ def test_missing_file_is_refused(tmp_path):
 def test_hf_tokenizer_files_encode_as_tiktoken(tmp_path):
     from transformers import AutoTokenizer
     write_hf_tokenizer(str(tmp_path), model_max_length=256)
-    assert sorted(os.listdir(tmp_path)) == ["merges.txt", "special_tokens_map.json", "tokenizer_config.json", "vocab.json"]
+    assert sorted(os.listdir(tmp_path)) == ["merges.txt", "special_tokens_map.json", "tokenizer_config.json",
+                                            "vocab.json"]
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     enc = get_encoding()
     text = "Grüße, 世界! \n\n  tabs\tand  spaces 12345 don't ,spaces before , punctuation .<|endoftext|>next"

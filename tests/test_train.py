@@ -1,8 +1,7 @@
 """train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
-bit-exact resume, configs, and the one-line errors. Tiny models (1 layer, 32 wide, 64-token vocab)."""
+bit-exact resume, the one-line errors, the quickstart. Tiny models (1 layer, 32 wide, 64-token vocab).
+The config's own parsing is tests/test_config.py's; checkpoint files are tests/test_checkpoint.py's."""
 import copy
-import dataclasses
-import errno
 import json
 import math
 import os
@@ -14,51 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt2
-from model import GPT, GPTConfig
+from config import Config, parse_args
+from conftest import ROOT, load_ckpt, read_log, step_losses, tiny_args, tiny_model, write_shards
 from data import TokenLoader
-import checkpoint
+from model import GPT, GPTConfig
 from precision import accumulate_gradients, make_plan, optimizer_step
-from train_gpt2 import Config, get_lr, main, parse_args
+from train_gpt2 import get_lr, main
 
 CPU = make_plan("cpu")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_shards(data_dir, n_train=3000, n_val=600, vocab=64, seed=0):
-    """A learnable toy stream (a noisy +1 counter) split into a val shard and two train shards."""
-    rng = np.random.default_rng(seed)
-    n = n_train + n_val
-    tokens = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, vocab, n)) % vocab
-    tokens = tokens.astype(np.uint16)
-    os.makedirs(data_dir, exist_ok=True)
-    np.save(os.path.join(data_dir, "toy_val_000000.npy"), tokens[:n_val])
-    np.save(os.path.join(data_dir, "toy_train_000001.npy"), tokens[n_val:n_val + n_train // 2])
-    np.save(os.path.join(data_dir, "toy_train_000002.npy"), tokens[n_val + n_train // 2:])
-    return data_dir
-
-
-def tiny_args(data_dir, out_dir, **over):
-    args = dict(data_dir=data_dir, out_dir=out_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=64,
-                micro_batch_size=2, seq_len=16, total_batch_size=64, max_steps=8, warmup_steps=2, max_lr=1e-2,
-                min_lr=1e-3, eval_interval=4, val_steps=2, hellaswag_interval=0, sample_interval=0,
-                checkpoint_interval=4, seed=0)
-    args.update(over)
-    return [f"--{k}={v}" for k, v in args.items()]
-
-
-def read_log(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def step_losses(out_dir):
-    return {e["step"]: e["loss"] for e in read_log(out_dir) if "loss" in e}
-
-
-def load_ckpt(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +66,8 @@ def test_resume_is_bit_exact(straight_run, data_dir, tmp_path):
     resumed, straight = step_losses(out), step_losses(straight_run)
     assert sorted(resumed) == [4, 5, 6, 7]
     assert all(resumed[s] == straight[s] for s in resumed)  # bit-identical losses
-    assert [e["val_loss"] for e in log if "val_loss" in e] == [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    straight_vals = [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    assert [e["val_loss"] for e in log if "val_loss" in e] == straight_vals
     a, b = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit-identical weights
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
@@ -138,45 +101,8 @@ def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
     assert all(abs(a[s] - b[s]) < 1e-5 for s in b)
 
 
-def test_checkpoint_write_is_atomic(straight_run, tmp_path, monkeypatch):
-    """A save that dies half-way (a full disk) leaves the previous checkpoint intact and no debris, and
-    resume ignores what a killed machine leaves: a .tmp, a truncated checkpoint, a file of another name."""
-    good = os.path.join(straight_run, "ckpt_000008.pt")
-    path = str(tmp_path / "ckpt_000008.pt")
-    shutil.copy(good, path)
-    ckpt = load_ckpt(path)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-
-    def dying_save(obj, f):
-        f.write(b"half a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(torch, "save", dying_save)
-    loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
-    with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_checkpoint(path, model, [optimizer], torch.amp.GradScaler("cpu", enabled=False), 9,
-                                   dataclasses.asdict(Config()), loader, "cpu")
-    monkeypatch.undo()
-    assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone
-
-    # the debris of a killed machine, all holding or claiming steps newer than 8
-    shutil.copy(good, tmp_path / "ckpt_000004.pt")
-    torch.save({**ckpt, "step": 12}, tmp_path / "ckpt_000012.pt.tmp")  # complete, but never renamed
-    torch.save({**ckpt, "step": 13}, tmp_path / "ckpt_best.pt")  # a copy the user made: not ours to resume
-    data = open(good, "rb").read()
-    open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
-    warnings = []
-    assert checkpoint.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
-    assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
-
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
 
 
 def test_accumulated_gradients_equal_one_big_batch(data_dir):
@@ -200,6 +126,11 @@ def test_next_micro_batch_is_read_before_the_backward(data_dir):
     assert events == ["read", "read", "backward", "read", "backward", "backward"]
 
 
+def step(model, optimizer, scaler, loss, grad_clip=1.0):
+    """The one optimizer step for model's AdamW alone, at the lr it was built with."""
+    return optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=grad_clip, lr_scale=1.0, loss=loss)
+
+
 def fp16_backward(model, scaler, data_dir):
     x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -214,7 +145,7 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1e-3, lr_scale=1.0, loss=torch.tensor(1.0))
+    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
     assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
@@ -227,14 +158,14 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0))
+    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0))
     assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert scaler.get_scale() == 32768.0  # backed off
     assert all(p.grad is None for p in model.parameters())
     fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=torch.tensor(1.0)).applied
+    assert step(model, optimizer, scaler, torch.tensor(1.0)).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -251,12 +182,12 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     else:
         loss = loss * float("inf")
     before = copy.deepcopy(model.state_dict())
-    loss, norm, applied, _ = optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss)
+    loss, norm, applied, _ = step(model, optimizer, scaler, loss)
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
     loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
-    assert optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=1.0, lr_scale=1.0, loss=loss).applied  # the next step goes on
+    assert step(model, optimizer, scaler, loss).applied  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -274,33 +205,6 @@ def test_lr_schedule():
     assert get_lr(19073, cfg) == get_lr(50000, cfg) == 6e-5
     lrs = [get_lr(s, cfg) for s in range(715, 19073, 97)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after warmup
-
-# -----------------------------------------------------------------------------
-# config: defaults, files, the shipped configs
-
-
-def test_defaults_are_build_nanogpts_124m_recipe():
-    c = Config()
-    assert (c.total_batch_size, c.micro_batch_size, c.seq_len, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps,
-            c.weight_decay, c.grad_clip, c.vocab_size) == (524288, 64, 1024, 6e-4, 6e-5, 715, 19073, 0.1, 1.0, 50304)
-
-
-@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "finetune_gpt2", "quickstart"])
-def test_shipped_configs_parse(name):
-    cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
-    assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
-    assert cfg.min_lr == pytest.approx(cfg.max_lr / 10)
-    if name != "finetune_gpt2":
-        assert "n_layer" in given and cfg.n_embd % cfg.n_head == 0
-
-
-def test_config_file_then_override(tmp_path):
-    path = tmp_path / "c.py"
-    path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
-    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
-    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
-    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": "file", "seq_len": "file",
-                                                       "resume": "cli", "min_lr": "cli"}
 
 # -----------------------------------------------------------------------------
 # bad input: one line on stderr, exit code != 0
@@ -331,7 +235,8 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (["--n_head=3"], "n_embd=32 must be divisible by n_head=3"),
     (["--max_steps=0"], "max_steps must be at least 1"),
     (["--max_lr=-1"], "max_lr must not be negative"),
-    (lambda t: [f"--data_dir={t / 'nowhere'}"], "does not exist: make the token shards with `python fineweb.py --out_dir"),
+    (lambda t: [f"--data_dir={t / 'nowhere'}"],
+     "does not exist: make the token shards with `python fineweb.py --out_dir"),
     (lambda t: [f"--data_dir={t}"], "has no train shards (*train*.npy): make the token shards with `python fineweb.py"),
     (["--vocab_size=32", "--n_embd=32"], "token id"),
     (lambda t: [f"--data_dir={bad_config(t, 'text')}"], "is a file; data_dir is a folder of token shards: to train on "
@@ -339,7 +244,8 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [f"--data={t / 'my_book.txt'}"], "my_book.txt: no such file or folder"),
     (["--init_from=/no/such/dir"], "'/no/such/dir' is not scratch, a GPT-2 name"),
     (["--init_from=/no/such/ckpt.pt"], "checkpoint '/no/such/ckpt.pt' not found"),
-    (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"], "bad.py is not a readable train_gpt2.py checkpoint"),
+    (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"],
+     "bad.py is not a readable train_gpt2.py checkpoint"),
     (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
 ]
 
@@ -404,7 +310,8 @@ def test_quickstart_never_writes_into_a_folder_of_yours(tmp_path, capsys):
     mine = tmp_path / "my_texts"
     mine.mkdir()
     (mine / "book.txt").write_text("Call me Ishmael. " * 500)
-    args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={mine}", f"--out_dir={tmp_path / 'out'}", *QUICK]
+    args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data_dir={mine}", f"--out_dir={tmp_path / 'out'}",
+            *QUICK]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
@@ -438,8 +345,8 @@ def test_auto_micro_batch_falls_back_on_cpu_and_memory_line(data_dir, tmp_path, 
     assert "micro_batch_size=auto needs CUDA; on cpu using the default micro_batch 64" in printed
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["resolved"]["micro_batch_size"] == 64
-    line = next(l for l in printed.splitlines() if l.startswith("memory: "))
-    n = sum(p.numel() for p in GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)).parameters())
+    line = next(line for line in printed.splitlines() if line.startswith("memory: "))
+    n = sum(p.numel() for p in tiny_model().parameters())  # the run's model: 1 layer, 32 wide, 64-token vocab
     assert f"params {n * 4 / 2**10:.1f} KiB" in line and f"grads {n * 4 / 2**10:.1f} KiB" in line
     assert "optimizer state" in line and "activations" in line
 

@@ -4,24 +4,18 @@ same weights, with and without activation checkpointing; and checkpoints resumed
 each with torchrun's environment (127.0.0.1, a free port), and killed by pid on every path."""
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 import memory
 import optim
-import precision
+from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args, write_shards
 from model import GPT, GPTConfig
 from sharding import load_optimizer_state
-from test_train import load_ckpt, read_log, step_losses, tiny_args, write_shards
 from train_gpt2 import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
               min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
 ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2, fsdp="true")  # val: the same 4 batches
@@ -31,39 +25,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_ranks(args, out_dir, world_size=2, timeout=150):
-    """train_gpt2.py args on world_size local ranks; returns rank 0's stdout. Fails the test on a
-    non-zero exit or the deadline; every rank still running by then is killed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    os.makedirs(out_dir, exist_ok=True)
-    procs, logs = [], []
-    try:
-        for rank in range(world_size):
-            log = open(os.path.join(out_dir, f"rank{rank}.txt"), "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break  # one rank failed: the others would wait for it until the deadline
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-            p.wait()
-        texts = []
-        for log in logs:
-            log.seek(0)
-            texts.append(log.read())
-            log.close()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, f"exit codes {codes}\n" + "\n".join(t[-3000:] for t in texts)
-    return texts[0]
 
 
 def assert_same_run(a_dir, b_dir, steps, final_step=4):

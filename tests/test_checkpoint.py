@@ -1,0 +1,208 @@
+"""checkpoint.py: the atomic save, the newest readable checkpoint, pruning, the RNG state, the finite
+check, and THE resume decision (resume_overrides): what a checkpoint fixes of a run, returned, never
+written into the frozen Config."""
+import dataclasses
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+import checkpoint
+from config import Config, parse_args
+from conftest import load_ckpt, tiny_args, tiny_model
+from data import TokenLoader
+from fileio import UserError
+from model import GPT, GPTConfig
+from precision import make_plan, train_step
+
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
+# what tiny_args' run fixes: the RUN_KEYS as that run saved them
+TINY_RUN = {"init_from": "scratch", "seq_len": 16, "total_batch_size": 64, "warmup_steps": 2, "max_lr": 1e-2,
+            "min_lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0, "muon_lr": 0.02, "muon_momentum": 0.95}
+
+
+def trained_model(data_dir, steps=1):
+    """tiny_args' model and AdamW after `steps` steps on data_dir (the optimizer then holds state), its loader."""
+    model = tiny_model()
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    loader = TokenLoader(data_dir, "train", 2, 16)
+    for _ in range(steps):
+        train_step(model, [optimizer], NO_SCALER, *loader.next_batch(), make_plan("cpu"))
+    return model, optimizer, loader
+
+
+@pytest.fixture(scope="module")
+def saved(data_dir, tmp_path_factory):
+    """out_dir/ckpt_000008.pt of tiny_args' run, written by save_checkpoint (the path)."""
+    out = tmp_path_factory.mktemp("saved")
+    cfg, _ = parse_args(tiny_args(data_dir, str(out)))
+    model, optimizer, loader = trained_model(data_dir)
+    path = checkpoint.checkpoint_path(str(out), 8)
+    checkpoint.save_checkpoint(path, model, [optimizer], NO_SCALER, 8, dataclasses.asdict(cfg), loader, "cpu")
+    return path
+
+
+def run_dir(tmp_path, saved, *names):
+    """A copy of saved under each of names in tmp_path/run (a folder of the run's checkpoints)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in names:
+        shutil.copy(saved, out / name)
+    return str(out)
+
+# -----------------------------------------------------------------------------
+# save, read, newest, prune
+
+
+def test_save_writes_what_resume_reads(saved, data_dir):
+    ckpt = load_ckpt(saved)  # weights_only=True must work
+    assert {"model", "model_args", "optimizer", "scaler", "step", "config", "loader", "rng"} <= set(ckpt)
+    assert ckpt["step"] == 8 and ckpt["config"]["data_dir"] == data_dir and ckpt["rng"].keys() == {"torch"}
+    assert ckpt["model_args"] == dataclasses.asdict(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2,
+                                                              n_embd=32))
+    model, _, _ = trained_model(data_dir)
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())  # bare names, bit-exact
+    assert ckpt["optimizer"]["state"] and ckpt["loader"]["pos"] > 0
+
+
+def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch):
+    """A save that dies half-way (a full disk) leaves the previous checkpoint intact and no debris, and
+    resume ignores what a killed machine leaves: a .tmp, a truncated checkpoint, a file of another name."""
+    good = saved
+    path = str(tmp_path / "ckpt_000008.pt")
+    shutil.copy(good, path)
+    ckpt = load_ckpt(path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", dying_save)
+    loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save_checkpoint(path, model, [optimizer], torch.amp.GradScaler("cpu", enabled=False), 9,
+                                   dataclasses.asdict(Config()), loader, "cpu")
+    monkeypatch.undo()
+    assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone
+
+    # the debris of a killed machine, all holding or claiming steps newer than 8
+    shutil.copy(good, tmp_path / "ckpt_000004.pt")
+    torch.save({**ckpt, "step": 12}, tmp_path / "ckpt_000012.pt.tmp")  # complete, but never renamed
+    torch.save({**ckpt, "step": 13}, tmp_path / "ckpt_best.pt")  # a copy the user made: not ours to resume
+    data = open(good, "rb").read()
+    open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
+    warnings = []
+    assert checkpoint.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
+    assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
+
+
+def test_checkpoint_files_are_ours_only_newest_first(tmp_path):
+    for name in ("ckpt_000002.pt", "ckpt_000010.pt", "ckpt_000004.pt", "ckpt_000006.pt.tmp", "ckpt_best.pt", "x.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert checkpoint.checkpoint_path(str(tmp_path), 10) == str(tmp_path / "ckpt_000010.pt")
+    assert checkpoint.checkpoint_files(str(tmp_path)) == [(10, str(tmp_path / "ckpt_000010.pt")),
+                                                          (4, str(tmp_path / "ckpt_000004.pt")),
+                                                          (2, str(tmp_path / "ckpt_000002.pt"))]
+    assert checkpoint.checkpoint_files(str(tmp_path / "nowhere")) == []
+    assert checkpoint.latest_checkpoint(str(tmp_path / "nowhere")) == (None, None)
+
+
+@pytest.mark.parametrize("keep_last,left", [(2, [8, 10, 12]), (1, [10, 12]), (0, [2, 4, 6, 8, 10, 12])])
+def test_prune_keeps_the_newest_and_what_is_above_the_step(tmp_path, keep_last, left):
+    """Once ckpt_10 is in place: the older ones beyond keep_last go, and a killed save's .tmp; ckpt_12 (above
+    the step: one resume skipped as unreadable) is not this run's to delete."""
+    for step in (2, 4, 6, 8, 10, 12):
+        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
+    (tmp_path / "ckpt_000011.pt.tmp").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("mine")
+    checkpoint.prune_checkpoints(str(tmp_path), 10, keep_last)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt_{s:06d}.pt" for s in left] + ["notes.txt"]
+
+# -----------------------------------------------------------------------------
+# RNG state and the finite check
+
+
+def test_rng_state_round_trip_on_cpu():
+    state = checkpoint.rng_state("cpu")
+    assert set(state) == {"torch"}  # no CUDA generator on a CPU run
+    first = torch.rand(5)
+    torch.rand(100)  # the generator moves on
+    checkpoint.set_rng_state(state, "cpu")
+    assert torch.equal(torch.rand(5), first)
+
+
+def test_finite_state_finds_a_non_finite_weight_or_optimizer_value(data_dir):
+    model, optimizer, _ = trained_model(data_dir)
+    assert checkpoint.finite_state(model, [optimizer], "cpu") is True
+    exp_avg = next(iter(optimizer.state.values()))["exp_avg"]
+    exp_avg.view(-1)[0] = float("nan")
+    assert checkpoint.finite_state(model, [optimizer], "cpu") is False
+    exp_avg.view(-1)[0] = 0.0
+    with torch.no_grad():
+        model.lm_head.weight[1, 2] = float("inf")
+    assert checkpoint.finite_state(model, [optimizer], "cpu") is False
+
+# -----------------------------------------------------------------------------
+# THE resume decision: resume_overrides returns what the checkpoint fixes
+
+
+def test_resume_overrides_returns_what_the_checkpoint_fixes(saved, data_dir, tmp_path):
+    out = run_dir(tmp_path, saved, "ckpt_000008.pt")
+    cfg, given = parse_args(tiny_args(data_dir, out, resume="true", max_steps=20, max_lr=0.5, seed=7))
+    said = []
+    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given, say=said.append)
+    assert ckpt["path"] == os.path.join(out, "ckpt_000008.pt") and ckpt["step"] == 8
+    assert overrides == TINY_RUN  # max_steps (a safe key) is not among them: the user's 20 stays
+    assert len(said) == 1 and said[0].startswith("note: resuming keeps the checkpoint's max_lr=0.01 (not 0.5), "
+                                                 "seed=0 (not 7): they would change the run")
+    assert (cfg.max_lr, cfg.seed, cfg.max_steps) == (0.5, 7, 20)  # returned, not written into the Config
+    said.clear()
+    cfg, given = parse_args(tiny_args(data_dir, out, resume="auto", max_steps=20))
+    assert checkpoint.resume_overrides(out, cfg, given, say=said.append)[1] == TINY_RUN and said == []  # no change
+
+
+def test_resume_overrides_keep_the_checkpoints_model_when_the_user_set_none(saved, data_dir, tmp_path):
+    out = run_dir(tmp_path, saved, "ckpt_000008.pt")
+    cfg, given = parse_args([f"--out_dir={out}", f"--data_dir={data_dir}", "--resume=true"])  # n_layer: default 12
+    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given, say=lambda line: None)
+    assert ckpt["model_args"]["n_layer"] == 1 and "n_layer" not in overrides  # the model is built from model_args
+    assert overrides["total_batch_size"] == 64 and cfg.total_batch_size == 524288
+
+
+@pytest.mark.parametrize("resume,names,result", [
+    ("false", [], None), ("auto", [], None), ("true", [], "has no ckpt_*.pt: drop --resume"),
+    ("false", ["ckpt_000008.pt"], "holds another run's checkpoints (ckpt_000008.pt): --resume=auto continues it"),
+])
+def test_resume_overrides_by_the_resume_word(saved, data_dir, tmp_path, resume, names, result):
+    out = run_dir(tmp_path, saved, *names)
+    cfg, given = parse_args(tiny_args(data_dir, out, resume=resume))
+    if result is None:
+        assert checkpoint.resume_overrides(out, cfg, given) == (None, {})  # a fresh run
+    else:
+        with pytest.raises(UserError, match=result.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+            checkpoint.resume_overrides(out, cfg, given)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--n_layer=2", "holds a run with n_layer=1, not 2 as asked: choose another --out_dir"),
+    ("--init_from=gpt2", "holds a run with init_from='scratch', not 'gpt2' as asked"),
+    ("--optimizer=muon", "was trained with optimizer=adamw, not muon as asked"),
+])
+def test_resume_overrides_refuse_what_the_checkpoint_cannot_continue(saved, data_dir, tmp_path, flag, message):
+    out = run_dir(tmp_path, saved, "ckpt_000008.pt")
+    cfg, given = parse_args(tiny_args(data_dir, out, resume="true") + [flag])
+    with pytest.raises(UserError, match=message):
+        checkpoint.resume_overrides(out, cfg, given)
+
+
+def test_resume_overrides_refuse_an_out_dir_of_unreadable_checkpoints(tmp_path, data_dir):
+    (tmp_path / "ckpt_000004.pt").write_bytes(b"not a checkpoint")
+    cfg, given = parse_args(tiny_args(data_dir, str(tmp_path), resume="auto"))
+    said = []
+    with pytest.raises(UserError, match="holds ckpt_\\*.pt files but none is readable"):
+        checkpoint.resume_overrides(str(tmp_path), cfg, given, say=said.append)
+    assert len(said) == 1 and said[0].startswith(f"warning: skipping {tmp_path / 'ckpt_000004.pt'}")

@@ -1,0 +1,143 @@
+"""config.py: the defaults, config files and --key=value, the frozen Config and its one-time decisions
+(micro_batch_size=auto, resume), did-you-mean, config.json's asked/resolved, and --help."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import config
+from config import Config, asked_and_resolved, oddities, parse_args
+from conftest import ROOT
+from fileio import UserError
+from train_gpt2 import main
+
+# -----------------------------------------------------------------------------
+# config: defaults, files, the shipped configs
+
+
+def test_defaults_are_build_nanogpts_124m_recipe():
+    c = Config()
+    assert (c.total_batch_size, c.micro_batch_size, c.seq_len, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps,
+            c.weight_decay, c.grad_clip, c.vocab_size) == (524288, 64, 1024, 6e-4, 6e-5, 715, 19073, 0.1, 1.0, 50304)
+
+
+@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "finetune_gpt2", "quickstart"])
+def test_shipped_configs_parse(name):
+    cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
+    assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
+    assert cfg.min_lr == pytest.approx(cfg.max_lr / 10)
+    if name != "finetune_gpt2":
+        assert "n_layer" in given and cfg.n_embd % cfg.n_head == 0
+
+
+def test_config_file_then_override(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
+    cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
+    assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
+    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": "file", "seq_len": "file",
+                                                       "resume": "cli", "min_lr": "cli"}
+
+# -----------------------------------------------------------------------------
+# decided once, at parsing: the Config is frozen and each field holds one type
+
+
+def test_micro_batch_size_auto_is_its_own_boolean(tmp_path):
+    """"auto" never lands in micro_batch_size (an int): it sets auto_micro_batch, and the last word wins."""
+    cfg, given = parse_args(["--micro_batch_size=auto"])
+    assert cfg.auto_micro_batch is True and cfg.micro_batch_size == 64  # the default, what CPU falls back to
+    assert given == {"micro_batch_size": "cli", "auto_micro_batch": "cli"}
+    cfg, _ = parse_args(["--micro_batch_size=auto", "--micro_batch_size=16"])
+    assert (cfg.auto_micro_batch, cfg.micro_batch_size) == (False, 16)
+    path = tmp_path / "c.py"
+    path.write_text("micro_batch_size = 'auto'\n")
+    cfg, given = parse_args([str(path)])
+    assert cfg.auto_micro_batch is True and given["auto_micro_batch"] == "file"
+    cfg, _ = parse_args([str(path), "--micro_batch_size=8"])
+    assert (cfg.auto_micro_batch, cfg.micro_batch_size) == (False, 8)
+    assert parse_args([])[0].auto_micro_batch is False
+    with pytest.raises(UserError, match='--micro_batch_size=big is not an integer or "auto"'):
+        parse_args(["--micro_batch_size=big"])
+
+
+@pytest.mark.parametrize("text,resume", [("True", "true"), ("yes", "true"), ("1", "true"), ("no", "false"),
+                                         ("0", "false"), ("AUTO", "auto"), ("false", "false")])
+def test_resume_is_parsed_once_into_one_of_three_words(text, resume, tmp_path):
+    assert parse_args([f"--resume={text}"])[0].resume == resume
+    path = tmp_path / "c.py"
+    path.write_text(f"resume = {resume.capitalize() if resume != 'auto' else repr('auto')}\n")  # True, False, 'auto'
+    assert parse_args([str(path)])[0].resume == resume
+
+
+def test_config_is_frozen():
+    cfg, _ = parse_args(["--n_layer=2"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layer = 3
+    assert cfg.n_layer == 2
+
+
+def test_nanogpt_names_say_what_they_are_here():
+    with pytest.raises(UserError, match="unknown config key 'learning_rate': here it is max_lr"):
+        parse_args(["--learning_rate=1e-3"])
+    with pytest.raises(UserError, match="unknown config key 'max_iters': here it is max_steps$"):
+        parse_args(["--max_iters=10"])
+
+
+def test_asked_and_resolved_side_by_side():
+    """config.json: what the user set as asked, the whole config as resolved, and which values the run chose."""
+    cfg, given = parse_args(["--n_layer=2", "--device=auto"])
+    resolved = dataclasses.replace(cfg, device="cpu", precision="fp32", micro_batch_size=8)
+    out = asked_and_resolved(cfg, given, resolved)
+    assert out["asked"] == {"n_layer": 2, "device": "auto"}
+    assert out["resolved"]["device"] == "cpu" and out["resolved"]["n_layer"] == 2
+    assert out["decided"] == ["device", "micro_batch_size", "precision"]
+    assert json.loads(json.dumps(out)) == out  # what config.json holds
+
+
+def test_oddities_warn_of_a_warmup_as_long_as_the_run():
+    assert oddities(Config(warmup_steps=9, max_steps=10)) == []
+    (line,) = oddities(Config(warmup_steps=10, max_steps=10))
+    assert line.startswith("warning: warmup_steps=10 is not below max_steps=10")
+
+# -----------------------------------------------------------------------------
+# --help
+
+
+def test_help_lists_every_key_by_section(capsys):
+    source = open(config.__file__).read()
+    body = re.search(r"^class Config:\n(.*?)\n\n", source, re.S | re.M).group(1)  # Config's lines
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert main(["-h"]) == 0 and capsys.readouterr().out == out
+    flat = " ".join(out.split())  # the meanings may be wrapped
+    positions = []
+    for line in body.splitlines():
+        if re.match(r"\s+#", line):  # a section
+            positions.append(out.index("\n" + line.strip().lstrip("# ") + ":\n"))
+            continue
+        name, kind, meaning = re.match(r"\s+(\w+): (\w+) = .*?  # (.*)$", line).groups()  # every key has a meaning
+        field = config.FIELDS[name]
+        assert kind == field.type.__name__
+        positions.append(out.index(f"\n  --{name} "))
+        assert " ".join(f"{meaning} (default: {json.dumps(field.default)})".split()) in flat, name
+    assert positions == sorted(positions)  # in Config's order, under their sections
+    assert {f.name for f in dataclasses.fields(Config)} == set(re.findall(r"^  --(\w+) ", out, re.M))
+
+
+def test_help_from_the_command_line():
+    res = subprocess.run([sys.executable, "train_gpt2.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("usage: python train_gpt2.py")
+    assert "--micro_batch_size int|auto" in res.stdout and "--precision auto|bf16|fp16|fp32" in res.stdout
+
+
+def test_help_fits_an_80_column_terminal():
+    """Each key's meaning wraps at the terminal's width under its name, not in a narrow column beside it."""
+    out = config.help_text(width=80)
+    meaning_lines = [line for line in out.splitlines() if line.startswith("      ")]
+    assert meaning_lines and all(len(line) <= 80 for line in out.splitlines() if line.startswith(" "))
+    assert sum(len(line) > 60 for line in meaning_lines) > len(meaning_lines) // 3  # lines use the width

@@ -1,0 +1,315 @@
+"""memory.py: the memory estimate of a training step (checked against what the forward keeps and the
+measured peak), the memory line, the sm7x fit, the micro-batch search (with injected memory and speed
+functions, checked against brute force), the CPU side of the probing, and the one micro-batch decision."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import bench
+import memory
+import precision
+from conftest import cpu_plan, tiny_model_and_optimizer
+from fileio import UserError
+from memory import fit_micro_batch, param_counts, training_bytes_estimate
+from model import GPT, GPTConfig, PRETRAINED
+from precision import default_plan
+
+FP16 = torch.float16
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
+
+# -----------------------------------------------------------------------------
+# what a training step holds: parameters, gradients, optimizer state, activations
+
+
+@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
+                                        ("naive", torch.bfloat16)])
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+@pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
+def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
+                       loss_impl=loss_impl, activation_checkpointing=ckpt)
+    model = GPT(config)
+    x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
+    saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
+    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_impl,ckpt", [("full", "none"), ("chunked", "none"), ("chunked", "every_other"),
+                                            ("chunked", "blocks")])
+def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
+    """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
+    peak of forward + backward and not wildly above it."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl,
+                       activation_checkpointing=ckpt)
+    x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
+    measured = bench.step_peak_bytes(GPT(config), x, y, cpu_plan(dtype))
+    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu")
+    n = sum(p.numel() for p in GPT(config).parameters())
+    assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
+    step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
+    assert measured <= step <= 1.5 * measured
+
+
+def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
+    config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-xl"])
+    n, block = memory.param_counts(config)
+    assert round(n / 1e6) == 1558
+    one = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
+    ddp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
+    fsdp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
+    assert one["parameters"] + one["gradients"] + one["optimizer state"] == 16 * n  # ~25 GB
+    assert ddp["DDP buckets"] == 4 * n and one["DDP buckets"] == 0
+    assert fsdp["optimizer state"] == 8 * n // 8 and fsdp["FSDP gathered"] == 2 * 4 * (n - 48 * block) + 3 * 2 * block
+    assert fsdp["activations"] == one["activations"] - 2 * 48 * 12 * 1600 ** 2  # no autocast copies of block weights
+
+
+def test_estimated_micro_batch_is_the_largest_that_fits():
+    config = GPTConfig(vocab_size=50304, activation_checkpointing="every_other", **bench.SIZES["gpt2-medium"])
+    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
+    budget = 0.9 * 40 * 2**30
+    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
+    assert b > 1 and total(b) <= budget < total(b + 1)
+    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
+    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget)
+    assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
+
+
+def test_memory_summary_counts_the_tensors_on_cpu():
+    model, opt = tiny_model_and_optimizer(vocab=50257)
+    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
+    assert f"params {memory.fmt_bytes(4 * n)}" in line and f"grads {memory.fmt_bytes(4 * n)}" in line
+    state = 2 * 4 * n + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
+    assert f"optimizer state {memory.fmt_bytes(state)}" in line
+    assert "activations ~" in line and "n/a on cpu" in line
+    assert "\n" not in line
+
+
+def test_fmt_bytes():
+    values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
+    assert [memory.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]
+
+# -----------------------------------------------------------------------------
+# sm7x: micro-batch first, seq_len only when even one sequence does not fit
+
+
+GB = 1024 ** 3
+GPT2 = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2"])
+GPT2_MEDIUM = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-medium"])
+
+
+def test_param_count_matches_the_model():
+    with torch.device("meta"):
+        for config in (GPT2, GPT2_MEDIUM, GPTConfig(block_size=64, vocab_size=300, n_layer=3, n_head=2, n_embd=16)):
+            assert param_counts(config)[0] == GPT(config).num_params(non_embedding=False)
+
+
+def fits(config, b, t, memory, headroom=0.15):
+    return sum(training_bytes_estimate(config, b, t, FP16).values()) <= (1 - headroom) * memory
+
+
+@pytest.mark.parametrize("gpu,memory,config,expect", [
+    ("T4 16 GB", 15 * GB, GPT2, (16, 1024)),
+    ("RTX 2070 8 GB", 7.8 * GB, GPT2, (8, 1024)),
+    ("V100 32 GB", 31.7 * GB, GPT2, (64, 1024)),
+    ("T4 16 GB, 350M", 15 * GB, GPT2_MEDIUM, (4, 1024)),
+    ("V100 32 GB, 350M", 31.7 * GB, GPT2_MEDIUM, (16, 1024)),
+    ("RTX 2070 8 GB, 350M", 7.8 * GB, GPT2_MEDIUM, (1, 256)),  # not even 1 x 1024 (nor 512) fits: the sequence halves
+])
+def test_fit_micro_batch(gpu, memory, config, expect):
+    b, t, reason = fit_micro_batch(config, memory, 1024, 524288, 1, FP16)
+    assert (b, t) == expect, gpu
+    assert fits(config, b, t, memory) and not fits(config, 2 * b, t, memory)  # the largest that fits
+    assert 524288 % (b * t) == 0 and f"{b} x {t}" in reason
+    if t < 1024:
+        assert not fits(config, 1, 2 * t, memory) and f"seq_len 1024 -> {t}" in reason
+
+
+def test_fit_keeps_a_user_seq_len_and_says_when_nothing_fits():
+    with pytest.raises(UserError, match="does not fit in 7.8 GiB at seq_len 1024"):
+        fit_micro_batch(GPT2_MEDIUM, 7.8 * GB, 1024, 524288, 1, FP16, shrink_seq=False)
+    xl = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-xl"])
+    with pytest.raises(UserError, match="1558M-parameter model does not fit in 15.0 GiB at seq_len 64"):
+        fit_micro_batch(xl, 15 * GB, 1024, 524288, 1, FP16)
+    b, t, _ = fit_micro_batch(GPT2, 15 * GB, 1024, 524288, 8, FP16)  # 8 ranks: 64 rows per rank per step
+    assert (b, t) == (16, 1024) and 524288 % (b * t * 8) == 0
+
+# -----------------------------------------------------------------------------
+# micro-batch search
+
+
+def brute_force(limit, seq_len, total, world, headroom, speed, n_timed=3):
+    """The rule spelled out: divisors of total/(seq_len*world) that fit, multiples of 8 if any fit,
+    the fastest of the n_timed largest."""
+    rows = total // (seq_len * world)
+    fit = [b for b in range(1, rows + 1) if rows % b == 0 and b <= limit]
+    pool = [b for b in fit if b % 8 == 0] or fit
+    return max(reversed(pool[-n_timed:]), key=speed)  # ties go to the larger micro-batch
+
+
+def linear_usage(limit, headroom=0.1):
+    """Memory use that crosses the 1 - headroom line just above micro-batch `limit`; None (OOM) past 1."""
+    def usage(b):
+        u = (1 - headroom) * (b + 0.5) / (limit + 0.5) - 1e-9 if b <= limit else 0.95 + 0.01 * (b - limit)
+        return None if u > 1 else u
+    return usage
+
+
+@pytest.mark.parametrize("limit,seq_len,total,world", [
+    (70, 1024, 524288, 1), (50, 1024, 480 * 1024, 1), (100, 1024, 524288, 4), (5, 1024, 524288, 1),
+    (1000, 1024, 524288, 1), (23, 256, 240 * 256, 2), (9, 1, 96, 1),
+])
+@pytest.mark.parametrize("speed", [lambda b: 1000.0 * b, lambda b: -abs(b - 40.0)])  # monotone; best at 40
+def test_search_matches_brute_force(limit, seq_len, total, world, speed):
+    calls = []
+    usage = linear_usage(limit)
+    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
+    assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
+    accum = total // (b * seq_len * world)
+    assert b * seq_len * world * accum == total
+    assert f"micro_batch {b}" in reason and f"grad_accum {accum}" in reason
+    assert len(calls) <= 2 * max(1, total // (seq_len * world)).bit_length()  # bisection, not a scan
+
+
+def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
+    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
+    assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
+    assert "grad_accum 10" in reason and "80 runs out of memory" in reason
+
+
+def test_search_falls_back_below_8_and_says_so():
+    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
+    assert b == 4 and "no multiple of 8 fits" in reason
+
+
+def test_search_keeps_headroom():
+    usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
+    speed = lambda b: float(b)  # noqa: E731
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
+    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
+
+
+def test_search_treats_oom_as_not_fitting():
+    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
+    assert b == 16 and "32 runs out of memory" in reason
+
+
+def test_search_respects_max_micro_batch():
+    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
+
+
+def test_search_refuses_what_cannot_divide_or_fit():
+    with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
+        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
+    with pytest.raises(ValueError, match="no micro-batch fits"):
+        memory.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
+
+# -----------------------------------------------------------------------------
+# probing on the real model (the CPU half of what runs on CUDA)
+
+
+def test_search_skips_sizes_that_fail_when_timed():
+    """The timed model (compiled) may fail where the eager probe fit: such sizes are out, and while none of
+    the timed ones ran the search goes on down the sizes that fit."""
+    usage = linear_usage(64)  # 64 rows: 8, 16, 32 and 64 divide them, all fit
+    timed = []
+
+    def measure(b):
+        timed.append(b)
+        return None if b > 16 else float(b)
+    b, reason = memory.search_micro_batch(usage, measure, 1024, 64 * 1024)
+    assert timed == [64, 32, 16]
+    assert b == 16 and "out of memory or over the 90% limit" in reason, reason
+    timed.clear()
+    b, reason = memory.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
+                                             1024, 64 * 1024)
+    assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
+    with pytest.raises(ValueError, match="could be timed"):
+        memory.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
+
+
+def test_auto_micro_batch_falls_back_on_cpu():
+    model, opt = tiny_model_and_optimizer()
+    b, reason, timed = memory.auto_micro_batch(model, [opt], 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
+    assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
+    with pytest.raises(ValueError, match="not divisible"):
+        memory.auto_micro_batch(model, [opt], 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
+
+
+def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
+    model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    seconds = memory.probe_steps(model, [opt], 2, 16, "cpu", default_plan("cpu"), steps=2)
+    assert seconds > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
+    assert [g["lr"] for g in opt.param_groups] == lrs
+    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
+
+# -----------------------------------------------------------------------------
+# THE micro-batch of a run: choose_micro_batch, decided once before step 0
+
+
+def gpu_plan(cap, memory_gib):
+    """A CUDA plan for a GPU of this generation and memory (a plan is data: no GPU needed to decide from it)."""
+    return default_plan("cuda:0", cap, "a test GPU", int(memory_gib * GB))
+
+
+def test_choose_micro_batch_fits_sm7x_always_and_others_when_the_asked_one_does_not_fit():
+    gpt2 = SimpleNamespace(config=GPT2)  # what choose_micro_batch reads of the model without probing
+    b, t, why, timed = memory.choose_micro_batch(gpt2, [], gpu_plan((7, 5), 15), 64, 1024, 524288)
+    assert (b, t, timed) == (16, 1024, None) and "fitted to 15.0 GiB: 16 x 1024" in why and "grad_accum 32" in why
+    assert why.endswith("(set micro_batch_size/seq_len to choose yourself)")
+    kept = memory.choose_micro_batch(gpt2, [], gpu_plan((7, 5), 15), 64, 1024, 524288, fit=False)  # the user's
+    assert kept == (64, 1024, "", None)
+    assert memory.choose_micro_batch(gpt2, [], gpu_plan((8, 0), 40), 64, 1024, 524288) == (64, 1024, "", None)
+    # 24 GB at sm86: 64 x 1024 needs ~24 GiB, over 85% of the card, 32 x 1024 fits: fitted although not sm7x
+    assert memory.training_bytes(GPT2, 64, 1024, torch.bfloat16) > 0.85 * 24 * GB
+    assert memory.training_bytes(GPT2, 32, 1024, torch.bfloat16) <= 0.85 * 24 * GB
+    b, t, why, _ = memory.choose_micro_batch(gpt2, [], gpu_plan((8, 6), 24), 64, 1024, 524288)
+    assert (b, t) == (32, 1024) and "grad_accum 16" in why
+    assert memory.choose_micro_batch(gpt2, [], gpu_plan((8, 6), 24), 64, 1024, 524288, world_size=8)[:2] == (32, 1024)
+
+
+def test_choose_micro_batch_shortens_seq_len_only_when_allowed():
+    medium = SimpleNamespace(config=GPT2_MEDIUM)
+    b, t, why, _ = memory.choose_micro_batch(medium, [], gpu_plan((7, 5), 7.8), 64, 1024, 524288)
+    assert (b, t) == (1, 256) and "seq_len 1024 -> 256" in why
+    with pytest.raises(UserError, match="355M-parameter model does not fit in 7.8 GiB at seq_len 1024"):
+        memory.choose_micro_batch(medium, [], gpu_plan((7, 5), 7.8), 64, 1024, 524288, shrink_seq=False)
+
+
+def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
+    model, opt = tiny_model_and_optimizer()
+    cpu = default_plan("cpu")
+    assert memory.choose_micro_batch(model, [opt], cpu, 4, 32, 4096, world_size=2) == (4, 32, "", None)
+    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, 16, 32, 4096, world_size=2, auto=True)
+    assert (b, t, timed) == (16, 32, None) and "micro_batch_size=auto needs CUDA; on cpu" in why
+    with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):
+        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096)  # 4096 / 1536 = 2.7: 3 x 1536 suggested
+    with pytest.raises(UserError, match="^micro_batch_size=auto: total_batch_size 4096 is not divisible"):
+        memory.choose_micro_batch(model, [opt], cpu, 12, 32, 4096, auto=True)
+
+
+@pytest.mark.parametrize("error,device_type,batch,expect", [
+    (torch.OutOfMemoryError("CUDA out of memory"), None, None, "out of GPU memory while setting up"),
+    (MemoryError(), None, None, "out of CPU RAM while setting up"),
+    (RuntimeError("CUDA out of memory"), "cuda", (8, 1024, 4),
+     "out of GPU memory at micro-batch 8 x 1024 (grad_accum 4)"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory"), "cpu", (2, 64, 1),
+     "out of CPU RAM at micro-batch 2 x 64"),
+])
+def test_out_of_memory_is_one_line_with_what_ran_out_and_what_to_try(error, device_type, batch, expect):
+    line = memory.out_of_memory_message(error, device_type, *(batch or ()))
+    assert line.startswith(expect) and "\n" not in line
+    assert ("--micro_batch_size=auto" in line) == (batch is not None)
