@@ -25,7 +25,8 @@ def test_defaults_are_build_nanogpts_124m_recipe():
             c.weight_decay, c.grad_clip, c.vocab_size) == (524288, 64, 1024, 6e-4, 6e-5, 715, 19073, 0.1, 1.0, 50304)
 
 
-@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "finetune_gpt2", "quickstart"])
+@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_124m_muon", "gpt2_350m", "gpt2_774m", "gpt2_1558m",
+                                  "finetune_gpt2", "quickstart"])
 def test_shipped_configs_parse(name):
     cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
     assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0

@@ -402,7 +402,8 @@ def test_checkpoints_json_shards_and_the_export_follow_the_umask(tmp_path, mask)
 def test_the_session_guard_ends_and_reports_a_process_a_test_leaves(tmp_path):
     """conftest.py's guard, in a pytest of its own: a test whose launcher leaves a worker in a session of its own
     (as torchrun's are, out of killpg's reach), stopped, orphaned: the session fails naming it, and it is gone."""
-    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:  # the real one, with the repository importable
+        (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\n" + f.read())
     pidfile = tmp_path / "worker.pid"
     (tmp_path / "test_leaves_one.py").write_text(textwrap.dedent(f"""
         import os, signal, subprocess, sys
