@@ -52,7 +52,7 @@ class Config:
     max_lr: float = 6e-4  # AdamW's learning rate after warmup
     min_lr: float = 6e-5  # AdamW's learning rate at max_steps
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
-    muon_lr: float = 0.02  # optimizer=muon: Muon's learning rate after warmup (scaled by the same schedule)
+    muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (bench/muon.md: 6e-3, 8e-3 best)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
