@@ -279,7 +279,7 @@ def help_text(width=None):
         "Config files (plain Python assignments, see configs/) and --key=value overrides apply in order to the "
         "defaults below; the resolved config is printed at start-up and saved as out_dir/config.json.", width)]
     for title, names in sections:
-        lines += ["", title + ":"]
+        lines += ["", textwrap.fill(title + ":", width, break_on_hyphens=False)]
         for name in names:
             f = FIELDS[name]
             kind = ("|".join(CHOICES[name]) if name in CHOICES else "int|auto" if name == "micro_batch_size"
