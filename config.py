@@ -244,8 +244,10 @@ def asked_and_resolved(cfg, given, resolved):
     the run used; "decided": the keys whose resolved value differs from the asked or default one (device,
     precision, micro-batch, ...), so a user sees at a glance what the run chose."""
     asked, got = dataclasses.asdict(cfg), dataclasses.asdict(resolved)
-    return {"asked": {k: asked[k] for k in asked if k in given}, "resolved": got,
-            "decided": sorted(k for k in asked if asked[k] != got[k])}
+    if cfg.auto_micro_batch:  # as the user wrote it: micro_batch_size=auto (not the int default beside a flag)
+        asked.update(micro_batch_size="auto", auto_micro_batch=None)
+    return {"asked": {k: asked[k] for k in asked if k in given and asked[k] is not None}, "resolved": got,
+            "decided": sorted(k for k in asked if asked[k] != got[k] and k != "auto_micro_batch")}
 
 
 # -----------------------------------------------------------------------------

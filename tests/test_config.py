@@ -97,6 +97,10 @@ def test_asked_and_resolved_side_by_side():
     assert out["resolved"]["device"] == "cpu" and out["resolved"]["n_layer"] == 2
     assert out["decided"] == ["device", "micro_batch_size", "precision"]
     assert json.loads(json.dumps(out)) == out  # what config.json holds
+    cfg, given = parse_args(["--micro_batch_size=auto"])  # asked as auto, resolved to what the probe found
+    out = asked_and_resolved(cfg, given, dataclasses.replace(cfg, micro_batch_size=16, auto_micro_batch=False))
+    assert out["asked"] == {"micro_batch_size": "auto"} and out["resolved"]["micro_batch_size"] == 16
+    assert out["decided"] == ["micro_batch_size"]
 
 
 def test_oddities_warn_of_a_warmup_as_long_as_the_run():
