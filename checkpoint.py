@@ -24,7 +24,7 @@ import torch
 
 from distributed import agree
 from fileio import UserError, replacing
-from model import read_checkpoint
+from model import checkpoint_files, read_checkpoint
 from sharding import full_state, load_optimizer_state
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -35,14 +35,6 @@ RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr"
 
 def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
-
-
-def checkpoint_files(out_dir):
-    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
-    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
 
 
 def latest_checkpoint(out_dir, warn=print):

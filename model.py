@@ -351,13 +351,19 @@ def check_config(config, state_dict):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
 
+def checkpoint_files(out_dir):
+    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
+    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
+
+
 def newest_checkpoint(spec):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
     checkpoint, the highest step: sample.py and hellaswag.py take a run folder this way."""
-    if not os.path.isdir(spec):
-        return spec
-    steps = [(int(n[5:-3]), n) for n in os.listdir(spec) if re.fullmatch(r"ckpt_\d+\.pt", n)]
-    return os.path.join(spec, max(steps)[1]) if steps else spec
+    files = checkpoint_files(spec)
+    return files[0][1] if files else spec
 
 
 def read_checkpoint(path):
