@@ -3,8 +3,9 @@
     nice python bench/muon_sweep.py                 # the sweep; appends each run to bench/results/muon_cpu.json
     python bench/muon_sweep.py --report             # best runs, token ratio, ms/step, plot (muon_cpu.png)
 
-Same step as the trainer: one (B, T) batch, clip 1.0 over all parameters, warmup + cosine scaling every
-group's base_lr (optim.set_lr), val loss from the start of the val split. Runs already in the JSON are
+Same step as the trainer: one (B, T) batch, then precision.optimizer_step (the trainer's: every group's
+lr = base_lr x the warmup + cosine scale, clip 1.0 over all parameters, each optimizer steps), val loss
+from the start of the val split. Runs already in the JSON are
 skipped, so a stopped sweep continues where it was."""
 import argparse
 import json
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import optim  # noqa: E402
+import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,19 +107,17 @@ def run(scale, kind, lr, muon_lr):
         val = data.TokenLoader(DATA_DIR, "val", 8, s["T"], shuffle=False)
     tokens_per_step = s["B"] * s["T"]
     curve, train_losses, step_ms, opt_ms = [[0, val_loss(model, val, s["val_rows"])]], [], [], []
+    scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())
     for step in range(s["steps"]):
         t0 = time.perf_counter()
-        optim.set_lr(opts, lr_scale(step, s["steps"], s["warmup"]))
         x, y = train.next_batch()
         _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t1 = time.perf_counter()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        stepped = precision.optimizer_step(opts, scaler, params, 1.0, lr_scale(step, s["steps"], s["warmup"]),
+                                           loss.detach())  # the trainer's step: lrs, clip, update
         t2 = time.perf_counter()
-        train_losses.append(loss.item())
+        train_losses.append(stepped.loss)
         step_ms.append(1e3 * (t2 - t0))
         opt_ms.append(1e3 * (t2 - t1))
         if (step + 1) % s["eval_every"] == 0 or step + 1 == s["steps"]:
@@ -134,6 +134,7 @@ def timing(scale, steps=24):
     """ms/step and ms of optimizer.step, adamw and muon alternating step by step (a shared CPU's load hits both)."""
     s = SCALES[scale]
     models, opts, ms = {}, {}, {k: ([], []) for k in ("adamw", "muon")}
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     for kind in ms:
         torch.manual_seed(SEED)
         models[kind] = GPT(GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
@@ -145,11 +146,8 @@ def timing(scale, steps=24):
             t0 = time.perf_counter()
             _, loss = models[kind](x[:, :-1], x[:, 1:])
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(models[kind].parameters(), 1.0)
             t1 = time.perf_counter()
-            for opt in opts[kind]:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            precision.optimizer_step(opts[kind], scaler, list(models[kind].parameters()), 1.0, 1.0, loss.detach())
             t2 = time.perf_counter()
             if step >= 2:  # warm-up
                 ms[kind][0].append(1e3 * (t2 - t0))
