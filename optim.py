@@ -2,7 +2,8 @@
 matrices with AdamW on the rest ("muon"). Parameters go in by name, so states can be keyed by name.
 
 The schedule contract: every param group carries "base_lr"; the trainer's one schedule (warmup +
-cosine) sets group["lr"] = group["base_lr"] * scale, scale = get_lr(step) / max_lr, in every optimizer."""
+cosine) sets group["lr"] = group["base_lr"] * scale, scale = get_lr(step) / max_lr, in every optimizer
+(precision.set_lr, called by precision.optimizer_step)."""
 import inspect
 import math
 
@@ -139,10 +140,3 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
     elif verbose:
         print(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
     return optimizers
-
-
-def set_lr(optimizers, scale):
-    """The schedule applied: every group's lr = its base_lr * scale (scale = schedule lr / max_lr)."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * scale

@@ -403,6 +403,14 @@ def _update(optimizers, scaler, found_inf=None):
         scaler.update()
 
 
+def set_lr(optimizers, scale):
+    """The schedule applied: every group's lr = its base_lr * scale (scale = schedule lr / max_lr; optim.py's
+    contract). A group built without a base_lr takes its lr as one."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * scale
+
+
 def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None):
     """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
     set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
@@ -412,9 +420,8 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
     1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
     allow (skips_on_device) the update is launched before the read, so the device never waits for the
     host. Returns Stepped, read from the device in one transfer."""
+    set_lr(optimizers, lr_scale)
     for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale  # (built without one: its lr)
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
