@@ -73,6 +73,15 @@ def assert_same_state(path_a, path_b):
 # tiny models and their checkpoints
 
 
+def one_line(err):
+    """The single `error: ...` line a refused command prints last on stderr (after progress bars, if any, and
+    no traceback), or AssertionError showing what it printed."""
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error") for x in lines) == 1 \
+        and "Traceback" not in err, err
+    return lines[-1]
+
+
 def tiny_model(seed=0):
     """The model of tiny_args' runs."""
     torch.manual_seed(seed)

@@ -18,7 +18,7 @@ import config
 import hellaswag
 import sample
 import train_gpt2
-from conftest import tiny_args
+from conftest import one_line, tiny_args
 from config import Config, parse_args
 from fileio import UserError
 
@@ -27,12 +27,6 @@ ROW = {"ctx": "A man is sitting on a roof. He", "label": 0,
                    "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}
 
 
-def error_line(capsys):
-    """The one `error: ...` line on stderr, last (after a progress bar, if any), or AssertionError."""
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and sum(line.startswith("error") for line in lines) == 1, lines
-    return lines[-1]
-
 # -----------------------------------------------------------------------------
 # the learning-rate schedule: contradictory is refused, odd is warned
 
@@ -40,8 +34,9 @@ def error_line(capsys):
 def test_min_lr_above_max_lr_is_refused_before_anything_is_written(data_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert train_gpt2.main(tiny_args(data_dir, str(out), max_lr=1e-4, min_lr=1e-3)) == 2
-    assert error_line(capsys) == ("error: min_lr=0.001 is above max_lr=0.0001: the cosine decays from max_lr down to "
-                                  "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
+    assert one_line(capsys.readouterr().err) == (
+        "error: min_lr=0.001 is above max_lr=0.0001: the cosine decays from max_lr down to "
+        "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
     assert not out.exists()
     parse_args(["--max_lr=1e-3", "--min_lr=1e-3"])  # equal: a constant learning rate, fine
 
@@ -62,7 +57,7 @@ def test_warmup_not_below_max_steps_is_warned_and_runs(data_dir, tmp_path, capsy
 def test_divergence_advice_never_says_set_grad_clip_when_it_is_set(data_dir, tmp_path, capsys):
     assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "out"), max_lr=1e20, min_lr=1e20, max_steps=20,
                                 max_skipped=3, grad_clip=1.0, checkpoint_interval=0)) == 3
-    err = error_line(capsys)
+    err = one_line(capsys.readouterr().err)
     assert err.startswith("error: the run diverged") and "lower grad_clip (e.g. 0.5)" in err
     assert "set grad_clip" not in err
     assert train_gpt2.remedy(Config(grad_clip=0.0)) == "lower max_lr or set grad_clip=1.0 and start again"
@@ -85,7 +80,7 @@ def test_nanogpt_names_get_a_did_you_mean(name, ours, tmp_path, capsys):
     with pytest.raises(UserError, match=f"unknown config key '{name}': here it is {ours}\\b"):
         parse_args([str(path)])
     assert train_gpt2.main([f"--{name}=4", f"--out_dir={tmp_path / 'out'}"]) == 2
-    assert f"here it is {ours}" in error_line(capsys)
+    assert f"here it is {ours}" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 # -----------------------------------------------------------------------------
@@ -152,5 +147,5 @@ def test_a_too_small_data_file_leaves_nothing_behind(tmp_path, monkeypatch, caps
             "--seq_len=128", "--micro_batch_size=8", "--total_batch_size=1024", "--max_steps=2",
             "--hellaswag_interval=0", "--sample_interval=0"]
     assert train_gpt2.main(argv) == 2
-    assert "val split is" in error_line(capsys)
+    assert "val split is" in one_line(capsys.readouterr().err)
     assert os.listdir(tmp_path) == ["short.txt"]

@@ -8,18 +8,13 @@ import torch
 
 import optim
 import precision
-from model import GPT, GPTConfig
-
-
-def tiny(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+from conftest import tiny_model
 
 
 def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
     """steps optimizer steps on fixed data, the gradients made inf at the steps in poison. on_device
     False forces the host path (an outlier test that never fires). Returns (model, [Stepped])."""
-    model = tiny()
+    model = tiny_model()
     opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = [p for p in model.parameters()]

@@ -27,7 +27,7 @@ import checkpoint
 import precision
 import train_gpt2
 from checkpoint import OutDirLock
-from conftest import ROOT, LaunchedTree, alive, end_processes, read_log, tiny_args, wait_for
+from conftest import ROOT, LaunchedTree, alive, end_processes, one_line, read_log, tiny_args, wait_for
 from fileio import UserError, umask
 
 TRAINER = os.path.join(ROOT, "train_gpt2.py")
@@ -82,14 +82,6 @@ def files(folder):
             found[os.path.relpath(path, folder)] = (st.st_size, st.st_mtime_ns, hash(open(path, "rb").read()))
     return found
 
-
-def one_line(err):
-    """The single `error: ...` line a refused command prints last on stderr (after progress bars, if any, and
-    no traceback), or AssertionError showing what it printed."""
-    lines = err.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error") for x in lines) == 1 \
-        and "Traceback" not in err, err
-    return lines[-1]
 
 # -----------------------------------------------------------------------------
 # one live run per out_dir

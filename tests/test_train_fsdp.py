@@ -4,7 +4,6 @@ same weights, with and without activation checkpointing; and checkpoints resumed
 each with torchrun's environment (127.0.0.1, a free port), and killed by pid on every path."""
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -19,12 +18,6 @@ from train_gpt2 import main
 COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
               min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
 ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2, fsdp="true")  # val: the same 4 batches
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same_run(a_dir, b_dir, steps, final_step=4):
