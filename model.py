@@ -18,9 +18,12 @@ From the command line:
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
     python model.py --help                           # the usage
     python model.py export out/ckpt_019073.pt out/hf # a Hugging Face directory, tokenizer included
+    python model.py export out/gpt2_124m gpt2.gguf --type q8_0  # one GGUF file for llama.cpp / Ollama
 
 The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
-pipeline("text-generation"); the source may also be a save_pretrained directory or a GPT-2 name.
+pipeline("text-generation"); the source may also be a run's out_dir (its newest checkpoint), a
+save_pretrained directory or a GPT-2 name. The .gguf file (gguf_export.py; --type f32, f16 or q8_0)
+runs in llama.cpp's gpt2 architecture; it needs `pip install gguf`.
 """
 import errno
 import inspect
@@ -519,6 +522,16 @@ EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\
                           r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json")
 
 
+def load_for_export(src):
+    """The model an export writes: SRC as sample.py's --model takes it (a run's out_dir: its newest
+    checkpoint), refused unless GPT-2's tokenizer covers its vocabulary."""
+    model = GPT.load(newest_checkpoint(src))
+    if model.config.vocab_size < GPT2_VOCAB_SIZE:
+        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
+                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
+    return model
+
+
 def export(src, out_dir):
     """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
     beside it and swapped in only when complete."""
@@ -530,10 +543,7 @@ def export(src, out_dir):
         if others:
             raise UserError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
                              "choose a new or empty OUT_DIR")
-    model = GPT.load(src)
-    if model.config.vocab_size < GPT2_VOCAB_SIZE:
-        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
-                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
+    model = load_for_export(src)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with replacing_dir(out_dir) as tmp:
         try:
@@ -546,6 +556,31 @@ def export(src, out_dir):
     return model
 
 
+def export_gguf(src, out, type_name="f16"):
+    """Write out, one GGUF file for llama.cpp (gguf_export.py), temp file then rename."""
+    from gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
+    import_gguf()  # no gguf package, a wrong --type: said before loading anything
+    check_type(type_name)
+    if os.path.isdir(out):
+        raise UserError(f"OUT {out} is a folder: name the .gguf file to write")
+    model = load_for_export(src)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return write_gguf(model, out, type_name)
+
+
+def split_type(args):
+    """export's arguments without its --type T (or --type=T), and T (None when not given)."""
+    rest, type_name, it = [], None, iter(args)
+    for a in it:
+        if a == "--type":
+            type_name = next(it, "")
+        elif a.startswith("--type="):
+            type_name = a[len("--type="):]
+        else:
+            rest.append(a)
+    return rest, type_name
+
+
 def print_sizes():
     for name, kw in PRETRAINED.items():
         with torch.device("meta"):
@@ -554,13 +589,18 @@ def print_sizes():
               f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")
 
 
-USAGE = "usage: python model.py [sizes] | python model.py export CKPT_OR_HF_DIR_OR_GPT2_NAME OUT_DIR"
+USAGE = ("usage: python model.py [sizes] | python model.py export SRC OUT_DIR | "
+         "python model.py export SRC OUT.gguf [--type f32|f16|q8_0]")
 HELP = f"""{USAGE}
 
   sizes (the default)  parameter count and GFLOPs per token of each GPT-2 size
   export SRC OUT_DIR   a Hugging Face directory (weights and GPT-2's tokenizer) from SRC: a ckpt_*.pt,
-                       a save_pretrained directory or a GPT-2 name; it loads offline with
-                       AutoTokenizer, AutoModelForCausalLM and pipeline("text-generation")"""
+                       a run's out_dir (its newest checkpoint), a save_pretrained directory or a GPT-2
+                       name; it loads offline with AutoTokenizer, AutoModelForCausalLM and
+                       pipeline("text-generation")
+  export SRC OUT.gguf  one GGUF file (llama.cpp's gpt2 architecture, GPT-2's tokenizer) for llama.cpp,
+                       Ollama, LM Studio; --type f32, f16 (the default) or q8_0 for its matrices.
+                       Needs the gguf package: pip install gguf"""
 
 
 def main(argv):
@@ -571,12 +611,24 @@ def main(argv):
         print_sizes()
         return 0
     try:
-        if len(argv) != 3 or argv[0] != "export":
-            raise UserError(f"expected `sizes` or `export SRC OUT_DIR`, got {' '.join(argv)!r}; {USAGE}")
-        export(argv[1], argv[2])
-    except (UserError, OSError) as e:  # OSError: no space or no permission while writing OUT_DIR (exit 1)
+        args, type_name = split_type(argv[1:])
+        if len(args) != 2 or argv[0] != "export":
+            raise UserError(f"expected `sizes` or `export SRC OUT_DIR` or `export SRC OUT.gguf`, got "
+                            f"{' '.join(argv)!r}; {USAGE}")
+        src, out = args
+        if out.endswith(".gguf"):
+            size = export_gguf(src, out, type_name or "f16")
+        elif type_name is not None:
+            raise UserError(f"--type is for a .gguf file, and {out} is not one: name it OUT.gguf")
+        else:
+            export(src, out)
+    except (UserError, OSError) as e:  # OSError: no space or no permission while writing OUT (exit 1)
         return fail(e)
-    print(f"wrote {argv[2]}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
+    if out.endswith(".gguf"):
+        print(f"wrote {out} ({size / 2**20:.1f} MiB, {type_name or 'f16'}): run it with "
+              f"llama-cli -m {out} -p \"Hello\"")
+    else:
+        print(f"wrote {out}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
     return 0
 
 

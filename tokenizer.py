@@ -12,6 +12,7 @@ hashes tiktoken itself pins.
 
 The same verified files, renamed, are what Hugging Face's GPT2Tokenizer reads: write_hf_tokenizer(dir)
 puts vocab.json, merges.txt and the two small configs into a save_pretrained directory (model.py export).
+gpt2_bpe() gives the same token list and merges as Python lists: a GGUF file's tokenizer (gguf_export.py).
 
 Run `python tokenizer.py` to check the installation.
 """
@@ -89,6 +90,20 @@ def write_hf_tokenizer(out_dir, model_max_length=1024, data_dir=None):
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(obj, f, indent=2)
+
+
+def gpt2_bpe(data_dir=None):
+    """GPT-2's BPE from the verified vocabulary files, as (tokens, merges): the 50257 token strings in id
+    order (byte-level characters, "Ġthe", as in encoder.json) and the 50000 merges ("Ġ t") in rank order
+    (vocab.bpe without its #version line). What a GGUF file's tokenizer.ggml.tokens/merges hold."""
+    vocab_bpe, encoder_json = vocab_files(data_dir)
+    _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
+    _check_sha256(encoder_json, ENCODER_JSON_SHA256)
+    with open(encoder_json, encoding="utf-8") as f:
+        ids = json.load(f)  # {token: id}
+    with open(vocab_bpe, encoding="utf-8") as f:
+        merges = [line for line in f.read().split("\n")[1:] if line]
+    return sorted(ids, key=ids.get), merges
 
 
 def vocab_hashes():
