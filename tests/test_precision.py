@@ -87,6 +87,7 @@ def test_compile_override_and_bad_names(monkeypatch):
 
 def test_resolve_device_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "nvidia_driver", lambda *a: "")  # no GPU either (tests/test_no_silent_cpu.py: one)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert precision.resolve_device("auto") == "cpu"
     with pytest.raises(UserError, match="sees no CUDA GPU: use --device=cpu"):
