@@ -249,7 +249,7 @@ def setup(cfg, given, env, say, lock):
         shrink_seq="seq_len" not in given and ckpt is None, warn=say)
     if why:
         say(why)
-    raw_model.config.ce_chunk_rows = memory.loss_chunk(plan, B * T, raw_model.config)  # before compile
+    memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                                cfg.shuffle, value("seed"))
