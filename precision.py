@@ -292,6 +292,31 @@ def autocast(plan):
             yield
 
 
+COMPILE_CACHE = ".compile_cache"  # compile_cache_dir=auto: this folder beside out_dir (in out_dir's parent)
+
+
+def compile_cache_dir(asked, out_dir):
+    """Where torch.compile's caches live: compile_cache_dir=auto is out_dir's parent's .compile_cache (beside the
+    run, on the same storage, shared by the runs there), "" is torch's own default (/tmp: gone with the machine),
+    anything else that folder. Returns the folder, or None for torch's default."""
+    if asked == "auto":
+        return os.path.join(os.path.dirname(os.path.abspath(out_dir)), COMPILE_CACHE)
+    return os.path.abspath(asked) if asked else None
+
+
+def use_compile_cache(folder):
+    """Inductor's caches in folder (its kernels and Triton's, the FX graph cache, the autograd cache), so that a
+    start on the same storage loads the graphs an earlier one compiled instead of compiling them again. Call it
+    once, before the first compile (inductor reads the folder when it first compiles)."""
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # Triton's cache goes under it unless TRITON_CACHE_DIR says
+    import torch._functorch.config
+    import torch._inductor.config
+    torch._inductor.config.fx_graph_cache = True  # (on by default in recent torch; say it for the older ones)
+    if hasattr(torch._functorch.config, "enable_autograd_cache"):
+        torch._functorch.config.enable_autograd_cache = True  # the backward's graph too
+
+
 def compile_model(model, plan, backend="inductor"):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model itself

@@ -222,6 +222,10 @@ def setup(cfg, given, env, say, lock):
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
     value = lambda key: overrides.get(key, getattr(cfg, key))  # noqa: E731 - the checkpoint's, else the config's
+    cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
+    if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses the graphs
+        precision.use_compile_cache(cache)
+        say(f"compile cache: {cache}")
 
     # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
