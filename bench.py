@@ -4,6 +4,7 @@ Speed and memory benchmarks for GPT-2 training steps.
     python bench.py                         # the speed ladder: 124M at seq 1024 on the GPU, one row per technique
     python bench.py --quick                 # a small config on CPU in well under a minute (the test suite's smoke run)
     python bench.py --json out.json --plot out.png
+    python bench.py --core                  # the core rungs only, the trainer's stack timed first
     python bench.py --memory                # where the memory goes: params, grads, optimizer, activations, allocator
     python bench.py --memory --activation_checkpointing blocks --world_size 8 --fsdp   # ... in those modes
     python bench.py --find_batch            # the largest fast micro-batch that fits (CUDA)
@@ -13,7 +14,8 @@ Speed and memory benchmarks for GPT-2 training steps.
 The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast (bf16, or fp16 with
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
 -> +fused AdamW -> +chunked loss. Then options, each kept only if faster than the best row so far: the
-plan's other SDPA kernel orders, micro-batches 16/32/64, compile mode max-autotune (GPU only). Rungs
+plan's other SDPA kernel orders, micro-batches 16/32/64, compile mode max-autotune (GPU only). The core rungs
+are timed last to first (the trainer's stack first: a run cut off keeps it), the table is in ladder order. Rungs
 that cannot apply on the device are printed as skipped, with the reason. Every row counts the host
 syncs of a step.
 
@@ -40,7 +42,8 @@ from fileio import ArgumentParser, UserError, check_output_file, fail, replacing
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from distributed import agree
 from memory import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
-                    optimizer_state_tensors, param_counts, random_batch, tensor_bytes, training_bytes_estimate)
+                    loss_chunk, optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
+                    training_bytes_estimate)
 from precision import is_oom, train_step
 
 # -----------------------------------------------------------------------------
@@ -153,12 +156,13 @@ def fused_available(device_type):
     return True
 
 
-def build(settings, size, seq_len, device, device_type, optimizer="adamw"):
+def build(settings, size, seq_len, device, device_type, optimizer="adamw", chunk_rows=GPTConfig.ce_chunk_rows):
     """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the trainer's)
-    for one rung's settings."""
+    for one rung's settings; chunk_rows: the chunked loss's rows a chunk (the trainer's: memory.loss_chunk)."""
     torch.manual_seed(1337)
     config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
-                       loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], **SIZES[size])
+                       loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], ce_chunk_rows=chunk_rows,
+                       **SIZES[size])
     raw = GPT(config).to(device)
     optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=device_type,
                                         ns_dtype=optim.ns_dtype_for(settings.get("dtype"), device_type),
@@ -211,9 +215,11 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    raw, model, optimizers = build(settings, size, seq_len, device, device_type)
+    b = settings.get("micro_batch", micro_batch)
+    chunk = loss_chunk(plan, b * seq_len, settings["vocab"])  # the trainer's rows a chunk at b x seq_len here
+    raw, model, optimizers = build(settings, size, seq_len, device, device_type, chunk_rows=chunk)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
-    x, y = random_batch(settings.get("micro_batch", micro_batch), seq_len, device)
+    x, y = random_batch(b, seq_len, device)
     ms = 1000 * time_steps(model, optimizers, scaler, x, y, plan, warmup, steps)
     cuda = device_type == "cuda"
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else (None, None)
@@ -222,52 +228,88 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     return ms, fpt, peak, syncs
 
 
-def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True):
-    """Time every rung cumulatively, the rungs chosen by the plan; returns the rows (dicts) of the table."""
-    device, device_type, capability, device_name = plan.device, plan.device_type, plan.capability, plan.device_name
-    settings = dict(BASELINE, micro_batch=micro_batch)
-    rows, first, prev = [], None, None
+def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True, core=False,
+               on_row=None):
+    """Time every rung, the rungs chosen by the plan (core: the core rungs only); returns the rows (dicts) of the
+    table, in ladder order. The core rungs are cumulative (each the baseline plus every applicable core change up
+    to it) and are timed most important first, the trainer's stack (the last) first down to fp32, so that a run
+    cut off keeps what matters; the options follow in order. on_row(rows) after every rung (rows not yet timed
+    say so): e.g. write the JSON as the ladder goes."""
+    rungs = [r for r in ladder_rungs(plan, plan.device_type, plan.capability, force_compile, micro_batch=micro_batch)
+             if not (core and r[-1])]
+    rows = [dict(name=name, ms_per_step=None, tokens_per_s=None, speedup_prev=None, speedup_first=None, mfu=None,
+                 peak_allocated=None, peak_reserved=None, syncs_per_step=None, skipped="not run (yet)", note=note,
+                 kept=None) for name, _, _, note, _ in rungs]
+    job = (plan, size, micro_batch, seq_len, warmup, steps, verbose)
+    settings, trials = dict(BASELINE, micro_batch=micro_batch), []
+    for _, change, skip, _, optional in rungs:  # each core rung's settings: the applicable changes up to it
+        if not optional and skip is None:
+            settings = {**settings, **change}
+        trials.append(settings)
+    best = None  # the index of the row the options build on: the last core row that ran, then faster options
     try:
-        for name, change, skip, note, optional in ladder_rungs(plan, device_type, capability, force_compile,
-                                                               micro_batch=micro_batch):
-            row = dict(name=name, ms_per_step=None, tokens_per_s=None, speedup_prev=None, speedup_first=None,
-                       mfu=None, peak_allocated=None, peak_reserved=None, syncs_per_step=None, skipped=skip, note=note,
-                       kept=None)
-            if skip is None:
-                trial = {**settings, **change}
-                try:
-                    ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps,
-                                                                  device)
-                except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
-                    if is_oom(e):
-                        row["skipped"] = (f"out of memory at {trial['micro_batch']}x{seq_len}"
-                                          + ("" if optional else " (try a smaller --micro_batch_size)"))
-                    elif trial["compile"]:
-                        row["skipped"] = f"torch.compile failed here: {str(e).strip().splitlines()[0][:160]}"
-                    else:
-                        raise
-                else:
-                    tok_s = trial["micro_batch"] * seq_len / (ms / 1000)
-                    row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
-                               syncs_per_step=syncs,
-                               mfu=precision.estimate_mfu(fpt, tok_s, device_name, trial["dtype"], trial["tf32"]))
-                    first = first or row
-                    row["speedup_first"] = tok_s / first["tokens_per_s"]
-                    row["speedup_prev"] = tok_s / prev["tokens_per_s"] if prev else 1.0
-                    if optional:  # compared with the best so far: kept only if faster
-                        row["kept"] = tok_s > prev["tokens_per_s"]
-                        row["note"] = f"{note}; {'kept' if row['kept'] else 'not kept (slower)'}"
-                    if not optional or row["kept"]:
-                        settings, prev = trial, row
-            rows.append(row)
-            if verbose:
-                done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
-                print(f"  {name}: {done}", file=sys.stderr)
+        for i in [i for i, r in enumerate(rungs) if not r[-1]][::-1]:
+            if time_row(rows[i], trials[i], rungs[i], *job):
+                best = i if best is None else best
+            fill_speedups(rows, rungs)
+            on_row and on_row(rows)
+        settings = trials[best] if best is not None else dict(BASELINE, micro_batch=micro_batch)
+        for i in (i for i, r in enumerate(rungs) if r[-1]):  # options: kept only when faster than the best so far
+            trial = {**settings, **rungs[i][1]}
+            if time_row(rows[i], trial, rungs[i], *job):
+                tok_s, ref = rows[i]["tokens_per_s"], rows[best]["tokens_per_s"] if best is not None else None
+                rows[i]["speedup_prev"], rows[i]["kept"] = (tok_s / ref, tok_s > ref) if ref else (1.0, True)
+                rows[i]["note"] = f"{rungs[i][3]}; {'kept' if rows[i]['kept'] else 'not kept (slower)'}"
+                if rows[i]["kept"]:
+                    settings, best = trial, i
+            fill_speedups(rows, rungs)
+            on_row and on_row(rows)
     finally:
         precision.set_tf32(False)
         if force_compile or plan.compile:
             torch._dynamo.reset()
     return rows
+
+
+def time_row(row, trial, rung, plan, size, micro_batch, seq_len, warmup, steps, verbose):
+    """Time one rung under trial's settings into row (or say in row why it was skipped); True when it ran."""
+    name, change, skip, note, optional = rung
+    row["skipped"] = skip
+    if skip is None:
+        try:
+            ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps,
+                                                          plan.device)
+        except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
+            if is_oom(e):
+                row["skipped"] = (f"out of memory at {trial['micro_batch']}x{seq_len}"
+                                  + ("" if optional else " (try a smaller --micro_batch_size)"))
+            elif trial["compile"]:
+                row["skipped"] = f"torch.compile failed here: {str(e).strip().splitlines()[0][:160]}"
+            else:
+                raise
+        else:
+            tok_s = trial["micro_batch"] * seq_len / (ms / 1000)
+            row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
+                       syncs_per_step=syncs,
+                       mfu=precision.estimate_mfu(fpt, tok_s, plan.device_name, trial["dtype"], trial["tf32"]))
+            if change.get("loss") == "chunked":  # the trainer's chunk for this device and micro-batch
+                chunk = loss_chunk(rung_plan(plan.device, trial), trial["micro_batch"] * seq_len, trial["vocab"])
+                row["note"] = f"{note}; {chunk} rows a chunk (the trainer's)"
+    if verbose:
+        done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
+        print(f"  {name}: {done}", file=sys.stderr)
+    return row["skipped"] is None
+
+
+def fill_speedups(rows, rungs):
+    """From the rows timed so far: speedup_first of every timed row (against the first timed core row) and
+    speedup_prev of the core rows (against the timed core row before it, in ladder order)."""
+    timed = [i for i, r in enumerate(rungs) if not r[-1] and rows[i]["skipped"] is None]
+    for k, i in enumerate(timed):
+        rows[i]["speedup_prev"] = rows[i]["tokens_per_s"] / rows[timed[k - 1]]["tokens_per_s"] if k else 1.0
+    for row in rows:
+        if row["skipped"] is None and timed:
+            row["speedup_first"] = row["tokens_per_s"] / rows[timed[0]]["tokens_per_s"]
 
 
 def ladder_table(rows):
@@ -614,7 +656,8 @@ def parse_args(argv):
     p.add_argument("--compile", action="store_true",
                    help="run the torch.compile rung even where the plan says off (CPU)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, CPU unless --device says otherwise")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON")
+    p.add_argument("--core", action="store_true", help="the core rungs only (fp32 ... +chunked loss), no options")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON (after every rung)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
     p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"),
@@ -706,10 +749,10 @@ def run(args):
         print(f"{header(args, steps=False)}\n{reason}")
         return 0
     print(header(args) + "\n")
-    rows = run_ladder(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile)
+    on_row = (lambda rows: write_json(args.json, rows)) if args.json else None  # after every rung: a cut-off keeps it
+    rows = run_ladder(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps, args.compile,
+                      core=args.core, on_row=on_row)
     print(ladder_table(rows))
-    if args.json:
-        write_json(args.json, rows)
     if args.plot:
         plot_ladder(rows, args.plot, header(args).split(" | command")[0])
     return 0

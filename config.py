@@ -82,6 +82,7 @@ class Config:
     plan: str = "auto"  # CUDA: run another GPU generation's plan on this GPU, for testing (sm60, sm75, sm80, sm90)
     precision: str = "auto"  # auto = the plan for this GPU (precision.py): bf16 on sm80+, fp16 on sm7x/P100, else fp32
     compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true, false
+    compile_cache_dir: str = "auto"  # torch.compile's caches: auto = <out_dir>/../.compile_cache, "" = /tmp, a folder
     seed: int = 1337  # the run's random seed (initial weights, samples)
     dist_timeout: int = 600  # seconds a rank waits for its peers in a collective before giving up (torchrun)
     # memory: for models that do not fit (see bench/README.md for what fits where)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed import agree
 from fileio import UserError
-from model import loss_chunk_rows, loss_head_temp_bytes
+from model import GPTConfig, loss_chunk_rows, loss_head_temp_bytes
 from precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
 
 # -----------------------------------------------------------------------------
@@ -209,13 +209,24 @@ FIT_HEADROOM = 0.15  # of the GPU's memory, left out of the fit: the allocator's
 LOSS_CHUNK_SHARE = 0.05  # of the GPU's memory for one chunk of the loss head's logits (within FIT_HEADROOM)
 
 
-def loss_chunk(plan, rows, config):
-    """Rows of logits the chunked loss head computes at a time: few large chunks where the GPU has the
-    memory (LOSS_CHUNK_SHARE of it); elsewhere the model's own ce_chunk_rows (CPU: the numbers tests and the
-    quickstart pin)."""
+def loss_chunk(plan, rows, vocab_size):
+    """Rows of logits the chunked loss head computes at a time for rows = B*T, decided from the device at every
+    start-up (never a checkpoint's: another GPU's): few large chunks where the GPU has the memory
+    (LOSS_CHUNK_SHARE of it); elsewhere GPTConfig's 1024 (CPU: the numbers tests and the quickstart pin)."""
     if plan.device_type != "cuda" or not plan.memory:
-        return config.ce_chunk_rows
-    return loss_chunk_rows(rows, config.vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype)
+        return GPTConfig.ce_chunk_rows
+    return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype)
+
+
+def on_device(config, plan, micro_batch, seq_len):
+    """config with the loss-chunk rows this device takes at micro_batch x seq_len (what its estimate counts)."""
+    return dataclasses.replace(config, ce_chunk_rows=loss_chunk(plan, micro_batch * seq_len, config.vocab_size))
+
+
+def set_loss_chunk(model, plan, micro_batch, seq_len):
+    """The model's loss-chunk rows for this device and micro-batch, set before compile (the value is in the compiled
+    graph's guards: the finder times each size with the value training will use, so no graph is built twice)."""
+    model.config.ce_chunk_rows = loss_chunk(plan, micro_batch * seq_len, model.config.vocab_size)
 
 
 def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer="adamw"):
@@ -225,13 +236,15 @@ def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer=
 
 
 def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=1, dtype=torch.float16,
-                    shrink_seq=True, headroom=FIT_HEADROOM, optimizer="adamw"):
+                    shrink_seq=True, headroom=FIT_HEADROOM, optimizer="adamw", plan=None):
     """For GPUs that start small (sm7x: 8-32 GB): the largest micro-batch whose training step fits in
     memory_bytes by training_bytes_estimate (which counts the model's loss and checkpointing modes),
     within 1 - headroom, among those that keep total_batch_size by accumulation. The micro-batch
     shrinks first; seq_len is halved only when not even one sequence of it fits (and shrink_seq
-    allows). Returns (micro_batch, seq_len, reason)."""
-    need = lambda b, t: training_bytes(config, b, t, dtype, world_size, optimizer)  # noqa: E731
+    allows). plan: the device whose loss-chunk rows each candidate counts (on_device); None: config's own.
+    Returns (micro_batch, seq_len, reason)."""
+    sized = (lambda b, t: on_device(config, plan, b, t)) if plan else (lambda b, t: config)  # noqa: E731
+    need = lambda b, t: training_bytes(sized(b, t), b, t, dtype, world_size, optimizer)  # noqa: E731
     budget = (1 - headroom) * memory_bytes
     T = seq_len
     while True:
@@ -383,8 +396,9 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
     capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)  # free + what we hold
     if plan.memory:  # plan=smXY: no more than that card has
         capacity = min(capacity, plan.memory)
-    cap, note = micro_batch_cap(model.config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
-                                is_sharded(model))
+    rows = max(1, total_batch_size // (seq_len * world_size))
+    widest = on_device(model.config, plan, rows, seq_len)  # the device's largest chunk: the estimate's cap is safe
+    cap, note = micro_batch_cap(widest, seq_len, plan.dtype, (1 - headroom) * capacity, world_size, is_sharded(model))
     max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
     def peak(step_model, b, steps):
@@ -392,6 +406,7 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
         inf when it ran out of memory; the maximum use and the longest step over the ranks."""
         free_memory(device_type)
         torch.cuda.reset_peak_memory_stats(device)
+        set_loss_chunk(model, plan, b, seq_len)  # as training will run b (step_model wraps model)
         try:
             seconds = probe_steps(step_model, optimizers, b, seq_len, device, plan, steps)
             used = torch.cuda.max_memory_reserved(device) / capacity
@@ -430,8 +445,9 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
     optimizers exist and before DDP wraps them: auto probes the GPU (auto_micro_batch); otherwise,
     where the user did not set the micro-batch (fit), a CUDA plan fits it to memory by the estimate: the
     sm7x plans always (plan.fit_to_memory), the others when the configured one does not fit; seq_len is
-    shortened only where not even 1 x seq_len fits and shrink_seq allows. Returns (B, T, why: a line for
-    the log or "", the model the finder timed (compiled) or None)."""
+    shortened only where not even 1 x seq_len fits and shrink_seq allows. Every size is weighed with the
+    device's loss-chunk rows (loss_chunk), never the model's own (a checkpoint's: another GPU's). Returns (B, T,
+    why: a line for the log or "", the model the finder timed (compiled) or None)."""
     timed = None
     if auto:
         try:
@@ -440,9 +456,10 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
     elif fit and plan.device_type == "cuda" and (plan.fit_to_memory or training_bytes(
-            model.config, micro_batch, seq_len, plan.dtype, world_size, optimizer) > (1 - FIT_HEADROOM) * plan.memory):
+            on_device(model.config, plan, micro_batch, seq_len), micro_batch, seq_len, plan.dtype, world_size,
+            optimizer) > (1 - FIT_HEADROOM) * plan.memory):
         micro_batch, seq_len, why = fit_micro_batch(model.config, plan.memory, seq_len, total_batch_size, world_size,
-                                                    plan.dtype, shrink_seq=shrink_seq, optimizer=optimizer)
+                                                    plan.dtype, shrink_seq=shrink_seq, optimizer=optimizer, plan=plan)
         why += " (set micro_batch_size/seq_len to choose yourself)"
     else:
         why = ""

@@ -24,7 +24,10 @@ memory.py's. Imports torch and fileio only: every script may import it, it impor
 """
 import dataclasses
 import math
+import os
 import re
+import shutil
+import subprocess
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
@@ -68,8 +71,11 @@ def dtype_name(dtype):
 
 def resolve_device(name="auto", local_rank=0):
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' | 'mps' -> a torch device string, or UserError saying what to
-    do. 'cuda' means cuda:local_rank (one GPU per torchrun process)."""
+    do. 'cuda' means cuda:local_rank (one GPU per torchrun process). 'auto' never falls back to the CPU
+    where an NVIDIA GPU is present that this torch cannot use (one line: what torch has, what the driver says)."""
     if name == "auto":
+        if not torch.cuda.is_available() and nvidia_driver():
+            raise UserError(unusable_gpu("torch.cuda.is_available() is False"))
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     kind, _, index = name.partition(":")
     if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
@@ -79,6 +85,8 @@ def resolve_device(name="auto", local_rank=0):
     if kind != "cuda":
         return kind
     if not torch.cuda.is_available():
+        if nvidia_driver():
+            raise UserError(unusable_gpu("torch.cuda.is_available() is False"))
         raise UserError(f"device={name} but this torch ({torch.__version__}) sees no CUDA GPU: "
                         "use --device=cpu or install a CUDA build of torch")
     device = f"cuda:{index or local_rank}"
@@ -87,6 +95,44 @@ def resolve_device(name="auto", local_rank=0):
                         f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     check_arch(device)
     return device
+
+
+NVIDIA_PROC = "/proc/driver/nvidia/version"  # the kernel driver's version, where one is loaded
+NVIDIA_DEV = "/dev/nvidia0"
+
+
+def nvidia_driver(proc=NVIDIA_PROC, dev=NVIDIA_DEV):
+    """What the NVIDIA driver here reports, found without CUDA: nvidia-smi's 'name, driver version' of the
+    first GPU, else the kernel module's version line, else 'a device /dev/nvidia0'; '' where there is none."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            first = out.stdout.strip().splitlines()[:1]
+            if out.returncode == 0 and first:
+                name, _, version = first[0].rpartition(",")
+                return f"nvidia-smi: {name.strip()}, driver {version.strip()}" if name else f"nvidia-smi: {first[0]}"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        with open(proc) as f:
+            line = f.readline()
+        found = re.search(r"Kernel Module(?: for \S+)?\s+([\d.]+)", line)
+        return f"{proc}: driver {found[1] if found else line.strip()[:80]}"
+    except OSError:
+        pass
+    return f"a device {dev}" if os.path.exists(dev) else ""
+
+
+def unusable_gpu(why, driver=None):
+    """The one line for an NVIDIA GPU that this torch cannot use: what torch has, what the driver says, the fix."""
+    driver = driver or nvidia_driver() or "no driver answer"
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build, no CUDA"
+    return (f"an NVIDIA GPU is here ({driver}) but torch {torch.__version__} ({cuda}) cannot use it ({why}): "
+            f"install a torch whose CUDA this driver runs (`nvidia-smi` shows the newest CUDA it supports; a "
+            f"notebook's preinstalled torch usually does; else e.g. `pip install torch --index-url {CU126_INDEX}`) or "
+            f"update the driver; --device=cpu runs on the CPU on purpose")
 
 
 def arch_supported(capability, arch_list):
@@ -112,9 +158,8 @@ def check_arch(device):
     cap = torch.cuda.get_device_capability(device)
     arch_list = torch.cuda.get_arch_list()
     if arch_list and not arch_supported(cap, arch_list):
-        raise UserError(f"this torch {torch.__version__} has no kernels for {torch.cuda.get_device_name(device)} "
-                        f"(sm{cap[0]}{cap[1]}; it was built for {' '.join(arch_list)}): install a build that has them, "
-                        f"`pip install torch --index-url {CU126_INDEX}`, or use --device=cpu")
+        raise UserError(unusable_gpu(f"no kernels for {torch.cuda.get_device_name(device)} (sm{cap[0]}{cap[1]}; it was "
+                                     f"built for {' '.join(arch_list)}; the cu126 builds keep sm50-sm70)"))
 
 
 def capability(device):
@@ -245,6 +290,31 @@ def autocast(plan):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel([getattr(SDPBackend, _SDPA[b]) for b in plan.sdpa_backends], set_priority=True):
             yield
+
+
+COMPILE_CACHE = ".compile_cache"  # compile_cache_dir=auto: this folder beside out_dir (in out_dir's parent)
+
+
+def compile_cache_dir(asked, out_dir):
+    """Where torch.compile's caches live: compile_cache_dir=auto is out_dir's parent's .compile_cache (beside the
+    run, on the same storage, shared by the runs there), "" is torch's own default (/tmp: gone with the machine),
+    anything else that folder. Returns the folder, or None for torch's default."""
+    if asked == "auto":
+        return os.path.join(os.path.dirname(os.path.abspath(out_dir)), COMPILE_CACHE)
+    return os.path.abspath(asked) if asked else None
+
+
+def use_compile_cache(folder):
+    """Inductor's caches in folder (its kernels and Triton's, the FX graph cache, the autograd cache), so that a
+    start on the same storage loads the graphs an earlier one compiled instead of compiling them again. Call it
+    once, before the first compile (inductor reads the folder when it first compiles)."""
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # Triton's cache goes under it unless TRITON_CACHE_DIR says
+    import torch._functorch.config
+    import torch._inductor.config
+    torch._inductor.config.fx_graph_cache = True  # (on by default in recent torch; say it for the older ones)
+    if hasattr(torch._functorch.config, "enable_autograd_cache"):
+        torch._functorch.config.enable_autograd_cache = True  # the backward's graph too
 
 
 def compile_model(model, plan, backend="inductor"):

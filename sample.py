@@ -92,9 +92,10 @@ def main(argv=None):
                 raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
         if not args.temperature >= 0 or args.top_k < 0:  # (NaN fails >= 0 too)
             raise UserError(f"--temperature and --top_k must not be negative, got {args.temperature} and {args.top_k}")
+        device = precision.resolve_device(args.device)  # first: a GPU torch cannot use is one line, not a CPU run
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
-        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=False)
+        plan = precision.make_plan(device, args.precision, compile=False)
         path = newest_checkpoint(args.model)  # a run's out_dir: its newest ckpt_*.pt
         if path != args.model:
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, {path}")

@@ -222,6 +222,10 @@ def setup(cfg, given, env, say, lock):
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
     value = lambda key: overrides.get(key, getattr(cfg, key))  # noqa: E731 - the checkpoint's, else the config's
+    cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
+    if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses the graphs
+        precision.use_compile_cache(cache)
+        say(f"compile cache: {cache}")
 
     # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
@@ -249,7 +253,7 @@ def setup(cfg, given, env, say, lock):
         shrink_seq="seq_len" not in given and ckpt is None, warn=say)
     if why:
         say(why)
-    raw_model.config.ce_chunk_rows = memory.loss_chunk(plan, B * T, raw_model.config)  # before compile
+    memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                                cfg.shuffle, value("seed"))

@@ -149,6 +149,46 @@ def test_options_are_kept_only_when_faster(monkeypatch):
     assert rows[2]["speedup_prev"] == pytest.approx((8 * 32 / 0.150) / (4 * 32 / 0.100))  # vs the best, not "slow"
 
 
+def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it_goes(monkeypatch):
+    """--core: the core rungs only, timed last to first (a cut-off keeps the trainer's stack), each with the
+    baseline plus every applicable change up to it; on_row sees the rows after each rung, the rest 'not run'."""
+    seen, snapshots = [], []
+
+    def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
+        seen.append(dict(settings))
+        return 100.0 * len(seen), 1.0, (None, None), None
+
+    monkeypatch.setattr(bench, "time_rung", fake_time_rung)
+    rows = bench.run_ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False, core=True,
+                            on_row=lambda rows: snapshots.append([dict(r) for r in rows]))
+    assert [r["name"][:len(p)] for r, p in zip(rows, RUNG_PREFIXES)] == RUNG_PREFIXES and len(rows) == 8
+    timed = [r for r in rows if r["skipped"] is None]  # CPU: fp32, SDPA, vocab, fused, chunked
+    assert seen[0]["loss"] == "chunked" and seen[0]["fused"] and seen[0]["vocab"] == 50304  # the whole stack first
+    assert seen[1]["loss"] == "full" and seen[1]["fused"]  # then +fused AdamW: the same without the chunked loss
+    assert seen[-1] == dict(bench.BASELINE, micro_batch=4)  # fp32 last
+    assert len(snapshots) == 8 and snapshots[0][-1]["ms_per_step"] == 100.0  # +chunked loss, written at once
+    assert all(r["skipped"] == "not run (yet)" for r in snapshots[0][:-1] if r["name"] not in ("+TF32",))
+    assert [r["ms_per_step"] for r in timed] == [500.0, 400.0, 300.0, 200.0, 100.0]  # ladder order in the table
+    for prev, row in zip(timed, timed[1:]):
+        assert row["speedup_prev"] == pytest.approx(row["tokens_per_s"] / prev["tokens_per_s"])
+        assert row["speedup_first"] == pytest.approx(row["tokens_per_s"] / timed[0]["tokens_per_s"])
+
+
+def test_chunked_loss_rung_uses_the_trainers_chunk_size(monkeypatch):
+    """The rung's model takes memory.loss_chunk's rows for its plan and micro-batch (the trainer's function), and
+    the row says how many."""
+    assert bench.loss_chunk is memory.loss_chunk
+    asked, built = [], []
+    monkeypatch.setattr(bench, "loss_chunk", lambda plan, rows, vocab: asked.append((rows, vocab)) or 37)
+    real_build = bench.build
+    monkeypatch.setattr(bench, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
+    rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+chunked loss")]
+    monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
+    rows = bench.run_ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False)
+    assert {raw.config.ce_chunk_rows for raw, _, _ in built} == {37} and (2 * 16, 50257) in asked
+    assert rows[-1]["note"].endswith("37 rows a chunk (the trainer's)") and rows[-1]["skipped"] is None
+
+
 def test_compile_can_be_forced_on_cpu():
     plan = default_plan("cpu")
     assert bench.ladder_rungs(plan, "cpu")[3][2] is not None

@@ -1,6 +1,7 @@
 """memory.py: the memory estimate of a training step (checked against what the forward keeps and the
 measured peak), the memory line, the sm7x fit, the micro-batch search (with injected memory and speed
 functions, checked against brute force), the CPU side of the probing, and the one micro-batch decision."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -313,3 +314,60 @@ def test_out_of_memory_is_one_line_with_what_ran_out_and_what_to_try(error, devi
     line = memory.out_of_memory_message(error, device_type, *(batch or ()))
     assert line.startswith(expect) and "\n" not in line
     assert ("--micro_batch_size=auto" in line) == (batch is not None)
+
+# -----------------------------------------------------------------------------
+# the loss-chunk rows: the device's, decided at every start-up, never a checkpoint's
+
+
+def h200_chunk(micro_batch=64):
+    """The rows a chunk an H200 run (141 GiB, bf16) trains 124M with at micro_batch x 1024: what its checkpoint's
+    model_args carry."""
+    return memory.loss_chunk(gpu_plan((9, 0), 139.8), micro_batch * 1024, 50304)
+
+
+def test_loss_chunk_comes_from_the_device_not_the_model():
+    assert h200_chunk() == 21888 and memory.loss_chunk(gpu_plan((7, 5), 15), 65536, 50304) == 1024  # fp16: capped
+    assert memory.loss_chunk(default_plan("cpu"), 65536, 50304) == GPTConfig.ce_chunk_rows == 1024
+    model = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()))
+    memory.set_loss_chunk(model, default_plan("cpu"), 64, 1024)  # a resumed run on the CPU: 1024, not the H200's
+    assert model.config.ce_chunk_rows == 1024
+
+
+@pytest.mark.parametrize("plan", [*precision.EMULATED_PLANS, "22 GiB"])
+def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
+    """An H200 checkpoint resumed on a smaller GPU (each emulated plan's card; and a 24 GB card with 22 GiB
+    to CUDA, where the H200's 21,888-row chunks in the estimate fitted 16 instead of 32) gets a fresh run's
+    micro-batch."""
+    cap, _, card = precision.EMULATED_PLANS.get(plan, ((8, 6), None, 22 * GB))
+    gpu = gpu_plan(cap, card / GB)
+    resumed = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()))
+    fresh = memory.choose_micro_batch(SimpleNamespace(config=GPT2), [], gpu, 64, 1024, 524288)
+    assert memory.choose_micro_batch(resumed, [], gpu, 64, 1024, 524288) == fresh
+    if plan == "22 GiB":
+        assert fresh[0] == 32 and fit_micro_batch(resumed.config, 22 * GB, 1024, 524288, dtype=torch.bfloat16)[0] == 16
+
+
+def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
+    """micro_batch_size=auto: every probe of size b runs with loss_chunk(plan, b x T), the value the trainer then
+    sets (set_loss_chunk) before compile, so the finder's compiled graph for the chosen size is the trainer's
+    (the value is in its guards): no compile after the finder."""
+    plan = dataclasses.replace(gpu_plan((9, 0), 80), compile=False)
+    model = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()), parameters=lambda: iter(()))
+    probed, now = [], {}
+
+    def fake_probe(step_model, optimizers, b, seq_len, device, plan, steps):
+        probed.append((b, step_model.config.ce_chunk_rows))
+        now["b"] = b
+        return 0.01 * b ** 0.9  # a larger batch: more tokens a second
+
+    monkeypatch.setattr(memory, "probe_steps", fake_probe)
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
+    b, _, _ = memory.auto_micro_batch(model, [], 1024, 524288, 1, "cuda:0", plan, default=64)
+    assert probed and all(chunk == memory.loss_chunk(plan, size * 1024, 50304) for size, chunk in probed), probed
+    assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
+    memory.set_loss_chunk(model, plan, b, 1024)  # what the trainer sets after the finder
+    assert model.config.ce_chunk_rows == dict(probed)[b]

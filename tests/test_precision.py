@@ -1,12 +1,16 @@
 """precision.py: the plan per GPU generation, user overrides, the arch check, the one autocast context,
 peak FLOPs, and static-shape compile with an eager fallback. (The sm7x micro-batch fit: tests/test_memory.py.)"""
 import dataclasses
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import precision
+from conftest import ROOT
 from fileio import UserError
 from model import GPT, GPTConfig
 from precision import (arch_supported, autocast, compile_model, compiles, default_plan, estimate_mfu, make_plan,
@@ -87,6 +91,7 @@ def test_compile_override_and_bad_names(monkeypatch):
 
 def test_resolve_device_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "nvidia_driver", lambda *a: "")  # no GPU either (tests/test_no_silent_cpu.py: one)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert precision.resolve_device("auto") == "cpu"
     with pytest.raises(UserError, match="sees no CUDA GPU: use --device=cpu"):
@@ -311,3 +316,37 @@ def test_old_torch_is_one_line():
     check_torch("2.6.0")
     with pytest.raises(UserError, match=r"torch 2.5.1\+cu124 is too old: this trainer needs torch >= 2.6"):
         check_torch("2.5.1+cu124")
+
+# -----------------------------------------------------------------------------
+# torch.compile's caches beside out_dir: compiled once per machine (or per storage), not per session
+
+
+def test_compile_cache_dir_sits_beside_out_dir(tmp_path):
+    out_dir = tmp_path / "runs" / "124m"
+    assert precision.compile_cache_dir("auto", str(out_dir)) == str(tmp_path / "runs" / ".compile_cache")
+    assert precision.compile_cache_dir("", str(out_dir)) is None  # torch's own default, in /tmp
+    assert precision.compile_cache_dir(str(tmp_path / "cc"), str(out_dir)) == str(tmp_path / "cc")
+
+
+COMPILE_TWICE = """import sys, torch
+import precision
+precision.use_compile_cache(sys.argv[1])
+from torch._dynamo.utils import counters
+f = torch.compile(lambda x: (x.sin() * 2 + 1).relu().sum(), dynamic=False)
+f(torch.randn(16))
+print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path):
+    """Two processes (two starts) compiling the same graph with use_compile_cache(folder): the first compiles and
+    fills the folder, the second loads the graph from it (inductor's FX graph cache: a hit, no miss)."""
+    folder = str(tmp_path / ".compile_cache")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                           "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    runs = [subprocess.run([sys.executable, "-c", COMPILE_TWICE, folder], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    (hit1, miss1), (hit2, miss2) = [map(int, r.stdout.split()[-2:]) for r in runs]
+    assert (hit1, miss1) == (0, 1) and (hit2, miss2) == (1, 0)
+    assert os.path.isdir(os.path.join(folder, "fxgraph"))
