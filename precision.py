@@ -250,8 +250,13 @@ def autocast(plan):
 def compile_model(model, plan, backend="inductor"):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model itself
-    when the plan says no. Compilation happens at the first call: see compiles()."""
-    return torch.compile(model, dynamic=False, backend=backend) if plan.compile else model
+    when the plan says no; the chunked loss's per-chunk body is compiled with it (GPT.compile_loss_head).
+    Compilation happens at the first call: see compiles()."""
+    if not plan.compile:
+        return model
+    if hasattr(model, "compile_loss_head"):  # the chunked loss runs outside the model's graph: its body on its own
+        model.compile_loss_head(backend)
+    return torch.compile(model, dynamic=False, backend=backend)
 
 
 def compiles(step_model, micro_batch, seq_len, plan, warn=print):
@@ -275,6 +280,9 @@ def compiles(step_model, micro_batch, seq_len, plan, warn=print):
         if is_oom(root) or isinstance(root, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(root):
             raise root from None
         torch._dynamo.reset()
+        for m in step_model.modules():  # eager means the loss head's body too
+            if hasattr(m, "compile_loss_head"):
+                m.compile_loss_head(None)
         e = root
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         warn(f"warning: torch.compile failed ({type(e).__name__}: {msg}); continuing without compile "
