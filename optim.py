@@ -48,21 +48,27 @@ def split_params(model, optimizer="adamw"):
 
 
 def zeropower(G, ns_dtype=torch.float32, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of a 2-D G, in ns_dtype (returned in it)."""
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack of them
+    (n, A, B), each on its own (batched matmuls: one launch per product for the whole stack), in ns_dtype."""
     X = G.float()
-    X = (X / X.norm().clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
-    if G.size(0) > G.size(1):
-        X = X.T
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)  # (n, 1, 1) or (1, 1)
+    X = (X / norm.clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
     a, b, c = coefficients
+    mm_add = torch.baddbmm if X.dim() == 3 else torch.addmm  # beta * input + alpha * (m1 @ m2)
     for _ in range(steps):
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        X = torch.addmm(X, B, X, beta=a)
-    return X.T if G.size(0) > G.size(1) else X
+        A = X @ X.mT
+        B = mm_add(A, A, A, beta=b, alpha=c)
+        X = mm_add(X, B, X, beta=a)
+    return X.mT if tall else X
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype: see ns_dtype_for."""
+    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype (see ns_dtype_for), batched over
+    the matrices of a shape. Like fused AdamW it takes found_inf (set by precision.optimizer_step or the
+    GradScaler): nonzero skips the step on the device, weights and momentum left as they were, no host read."""
     # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same update, own dtype
 
     def __init__(self, params, ns_dtype=torch.float32, **kwargs):
@@ -71,6 +77,8 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                             f"{torch.__version__}: upgrade torch, or use optimizer='adamw'")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype  # not in the state_dict: a resume on another device picks its own
+        sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
+        self._step_supports_amp_scaling = not sharded  # FSDP: one matrix at a time, the skip decided on the host
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,21 +86,55 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        skip = None if found_inf is None else found_inf > 0  # () bool on the device
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not self._step_supports_amp_scaling:
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                    self.step_one(group, p)
+                continue
+            by_shape = {}
+            for p in params:
+                by_shape.setdefault((p.shape, p.dtype, p.grad.dtype), []).append(p)
+            for same in by_shape.values():
+                new = [p for p in same if "momentum_buffer" not in self.state[p]]
+                for p, buf in zip(new, torch.zeros((len(new), *same[0].shape), dtype=same[0].grad.dtype,
+                                                   device=same[0].device).unbind(0) if new else ()):
+                    self.state[p]["momentum_buffer"] = buf  # (A, B) each, one zeros for the stack
+                self.step_stack(group, same, skip, grad_scale)
         return loss
+
+    def step_stack(self, group, params, skip, grad_scale):
+        """One update of same-shape matrices, stacked: a few launches for all of them, whatever their number."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        G = torch.stack([p.grad for p in params])  # (n, A, B)
+        if grad_scale is not None:  # the GradScaler's, when it did not unscale these gradients itself
+            G = G / grad_scale
+        M = torch.stack(bufs)  # (n, A, B)
+        M_new = M.lerp(G, 1 - mu)
+        update = G.lerp(M_new, mu) if group["nesterov"] else M_new
+        X = zeropower(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        P = torch.stack(params)  # (n, A, B)
+        ratio = adjusted_lr_ratio(group["adjust_lr_fn"], P.shape[1:])
+        P_new = P.mul(1 - lr * wd).add_(X, alpha=-lr * ratio)  # X promoted to P's dtype inside the add
+        if skip is not None:  # a non-finite step: everything as it was
+            M_new, P_new = torch.where(skip, M, M_new), torch.where(skip, P, P_new)
+        torch._foreach_copy_(bufs, list(M_new.unbind(0)))
+        torch._foreach_copy_(params, list(P_new.unbind(0)))
+
+    def step_one(self, group, p):
+        """One matrix's update (FSDP: a DTensor, orthogonalized whole; see orthogonalize)."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        buf = self.state[p]["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - mu)
+        update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        p.mul_(1 - lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
 
 
 def orthogonalize(update, ns_dtype, steps, coefficients, eps):

@@ -111,6 +111,26 @@ def test_muon_update_is_torch_optim_muons():
     assert (ours - theirs).abs().max() < 0.02 * step  # bf16 rounding (our norm is taken in fp32 first)
 
 
+@pytest.mark.parametrize("ns_dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_batched_muon_equals_one_matrix_at_a_time(ns_dtype, tol):
+    """The stacked step (same-shape matrices in one batched Newton-Schulz) against the per-matrix update (the
+    previous code, kept for FSDP): the same weights and momentum after 3 steps, within the dtype's rounding."""
+    a, b = tiny(), tiny()
+    opt_a = optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
+    opt_b = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
+    opt_b[1]._step_supports_amp_scaling = False  # the one-matrix path
+    assert len({p.shape for p in opt_a[1].param_groups[0]["params"]}) < len(opt_a[1].param_groups[0]["params"])
+    train(a, opt_a, 3)
+    train(b, opt_b, 3)
+    moved = max((p - q).abs().max().item() for p, q in zip(tiny().parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p - q).abs().max().item() <= tol * moved
+    for p in opt_a[1].param_groups[0]["params"]:
+        m_a = opt_a[1].state[p]["momentum_buffer"]
+        m_b = opt_b[1].state[dict(zip(a.parameters(), b.parameters()))[p]]["momentum_buffer"]
+        torch.testing.assert_close(m_a, m_b, rtol=tol, atol=tol * m_b.abs().max().item())
+
+
 class MatmulDtypes(TorchFunctionMode):
     """The dtypes of the matmuls run inside it."""
 
