@@ -77,7 +77,7 @@ def extra_reads(precision_name, optimizer):
     c = Count()
     with c:
         step()
-    return precision.skips_on_device(opts, scaler, None), c.reads
+    return precision.skips_on_device(opts, None), c.reads
 
 
 def host_reads():

@@ -19,7 +19,7 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
     opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = [p for p in model.parameters()]
-    assert precision.skips_on_device(opts, scaler, None) == fused  # fused AdamW, with or without Muon
+    assert precision.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     out = []
     for step in range(steps):
@@ -95,7 +95,7 @@ def test_one_host_read_per_step(precision_name, optimizer):
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     params = list(model.parameters())
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
-    assert precision.skips_on_device(opts, scaler, None)
+    assert precision.skips_on_device(opts, None)
 
     def step():
         loss = precision.accumulate_gradients(model, precision.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
@@ -105,3 +105,35 @@ def test_one_host_read_per_step(precision_name, optimizer):
     with count:
         stepped = step()
     assert stepped.applied and count.reads == 0  # the one read is .tolist(), which dispatches no op
+
+
+@pytest.mark.parametrize("fused,grad_clip", [(True, 1.0), (True, 0.0), (False, 1.0)])
+def test_an_inf_in_adamw_alone_skips_muon_too_under_the_grad_scaler(fused, grad_clip):
+    """fp16 + GradScaler, Muon beside AdamW: an inf in one AdamW gradient only. The one clip over all the
+    parameters turns Muon's gradients to 0 (grad_clip 1: max_norm / inf) or nan (no clip: inf / inf), so
+    judged on its own gradients Muon would step; every optimizer skips together, the scale backs off.
+    fused False: the host path (non-fused AdamW cannot skip on the device)."""
+    plan = precision.make_plan("cpu", "fp16")
+    model = tiny_model()
+    opts = optim.build_optimizers(model, "muon", lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=plan.grad_scaler)
+    params = list(model.parameters())
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def step(poison):
+        loss = precision.accumulate_gradients(model, precision.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        if poison:
+            model.transformer.wte.weight.grad[3, 5] = math.inf  # wte: AdamW's, not Muon's
+        return precision.optimizer_step(opts, scaler, params, grad_clip, 1.0, loss)
+    assert step(poison=False).applied  # the optimizers' state made
+    weights = [p.detach().clone() for p in params]
+    momentum = [s["momentum_buffer"].clone() for s in opts[1].state.values()]
+    scale = scaler.get_scale()
+    stepped = step(poison=True)
+    assert not stepped.applied and math.isinf(stepped.norm)
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))  # Muon's matrices included
+    assert all(torch.equal(s["momentum_buffer"], m) for s, m in zip(opts[1].state.values(), momentum))
+    assert all(torch.isfinite(p).all() for p in params)
+    assert scaler.get_scale() == scale / 2  # backed off once
+    assert step(poison=False).applied  # and the next step goes on
+    assert all(torch.isfinite(p).all() for p in params) and not all(torch.equal(p, w) for p, w in zip(params, weights))
