@@ -1,6 +1,7 @@
 """
-Muon's kernel launches per step at 124M (meta device) and the host reads of precision.optimizer_step for each
-(precision, optimizer) pair (CPU stand-in: aten._local_scalar_dense, a sync on CUDA). Run from the project root:
+Muon's kernel launches and transient memory per step at 124M (meta device) and the host reads of
+precision.optimizer_step for each (precision, optimizer) pair (CPU stand-in: aten._local_scalar_dense, a sync
+on CUDA). Run from the project root:
 
     python bench/muon_counts.py
 
@@ -10,9 +11,11 @@ the first step (state created) apart from the next ones, and Muon with found_inf
 import collections
 import os
 import sys
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.getcwd())  # run from the project root
 import optim  # noqa: E402
@@ -20,18 +23,28 @@ import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 VIEWS = {"view", "t", "transpose", "detach", "alias", "expand", "_unsafe_view", "as_strided", "select", "slice",
-         "permute", "unbind", "unsqueeze"}
+         "permute", "unbind", "unsqueeze", "split", "split_with_sizes"}
 
 
 class Count(TorchDispatchMode):
-    """Ops dispatched (a kernel launch each, views free; a foreach op is one), matmul FLOPs, host reads."""
+    """Ops dispatched (a kernel launch each, views free; a foreach op is one), matmul FLOPs, host reads, and
+    the peak bytes of the storages made inside it and alive at once (the step's transient memory)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.flops, self.reads = collections.Counter(), 0, 0
+        self.live, self.peak, self.made = 0, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            key = t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in given and key not in self.made:  # a new storage
+                self.made.add(key)
+                self.live += t.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t.untyped_storage(), self.freed, key, t.untyped_storage().nbytes())
         name = func.overloadpacket.__name__
         self.reads += func is torch.ops.aten._local_scalar_dense.default
         if name not in VIEWS:
@@ -40,6 +53,10 @@ class Count(TorchDispatchMode):
             a, b = args[-2], args[-1]
             self.flops += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
         return out
+
+    def freed(self, key, nbytes):
+        self.live -= nbytes
+        self.made.discard(key)
 
 
 def muon_launches():
@@ -57,7 +74,7 @@ def muon_launches():
         with c:
             muon.step()
         print(f"Muon step at 124M, {label}: {sum(c.ops.values())} kernels, {c.flops / 1e12:.2f} TFLOP "
-              f"({', '.join(f'{k} {v}' for k, v in c.ops.most_common(6))})")
+              f"({', '.join(f'{k} {v}' for k, v in c.ops.most_common(6))}), peak transient {c.peak / 2**30:.2f} GiB")
 
 
 def extra_reads(precision_name, optimizer):
