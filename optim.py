@@ -48,21 +48,37 @@ def split_params(model, optimizer="adamw"):
 
 
 def zeropower(G, ns_dtype=torch.float32, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of a 2-D G, in ns_dtype (returned in it)."""
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack of them
+    (n, A, B), each on its own (batched matmuls: one launch per product for the whole stack), in ns_dtype."""
     X = G.float()
-    X = (X / X.norm().clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
-    if G.size(0) > G.size(1):
-        X = X.T
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)  # (n, 1, 1) or (1, 1)
+    X = (X / norm.clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
+    tall = G.size(-2) > G.size(-1)
+    X = newton_schulz(X.mT if tall else X, steps, coefficients)
+    return X.mT if tall else X
+
+
+def newton_schulz(X, steps, coefficients):
+    """The quintic iteration on a normalized wide (A <= B) matrix (A, B) or stack (n, A, B)."""
     a, b, c = coefficients
+    mm_add = torch.baddbmm if X.dim() == 3 else torch.addmm  # beta * input + alpha * (m1 @ m2)
     for _ in range(steps):
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        X = torch.addmm(X, B, X, beta=a)
-    return X.T if G.size(0) > G.size(1) else X
+        A = X @ X.mT
+        B = mm_add(A, A, A, beta=b, alpha=c)
+        X = mm_add(X, B, X, beta=a)
+    return X
+
+
+def in_stack(X, i, n, tall):
+    """Matrices i..i+n-1 of a wide stack X (m, a, b) as (n, A, B): a view, transposed for a tall shape."""
+    return X[i:i + n].mT if tall else X[i:i + n]
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype: see ns_dtype_for."""
+    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype (see ns_dtype_for), batched over
+    the matrices of a wide shape, the elementwise work done once over all of them (step_flat). Like fused
+    AdamW it takes found_inf (set by precision.optimizer_step or the GradScaler): nonzero skips the step on
+    the device, weights and momentum left as they were, no host read."""
     # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same update, own dtype
 
     def __init__(self, params, ns_dtype=torch.float32, **kwargs):
@@ -71,6 +87,8 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                             f"{torch.__version__}: upgrade torch, or use optimizer='adamw'")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype  # not in the state_dict: a resume on another device picks its own
+        sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
+        self._step_supports_amp_scaling = not sharded  # FSDP: one matrix at a time, the skip decided on the host
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,21 +96,86 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        skip = None if found_inf is None else found_inf > 0  # () bool on the device
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not self._step_supports_amp_scaling:
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                    self.step_one(group, p)
+                continue
+            by_dtype = {}
+            for p in sorted(params, key=lambda p: tuple(p.shape)):  # stable: a shape's matrices side by side
+                by_dtype.setdefault((p.device, p.dtype, p.grad.dtype), []).append(p)
+            for same in by_dtype.values():
+                new = [p for p in same if "momentum_buffer" not in self.state[p]]
+                if new:  # the first step: one zeros for them all, (A, B) views of it
+                    zeros = torch.zeros(sum(p.numel() for p in new), dtype=new[0].grad.dtype, device=new[0].device)
+                    for p, buf in zip(new, zeros.split([p.numel() for p in new])):
+                        self.state[p]["momentum_buffer"] = buf.view(p.shape)
+                self.step_flat(group, same, skip, grad_scale)
         return loss
+
+    def step_flat(self, group, params, skip, grad_scale):
+        """One update of matrices of one dtype, sorted by shape: each elementwise op runs once on a flat copy of
+        them all, Newton-Schulz once per stack of one wide shape (see orthogonalized). A few launches in all."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        sizes = [p.numel() for p in params]
+        G = torch.cat([p.grad.reshape(-1) for p in params])  # (N,): every gradient in a row
+        if grad_scale is not None:  # the GradScaler's, when it did not unscale these gradients itself
+            G = G / grad_scale
+        M = torch.cat([buf.reshape(-1) for buf in bufs])  # (N,)
+        M_new = M.lerp(G, 1 - mu)
+        update = G.lerp_(M_new, mu) if group["nesterov"] else M_new  # G is a copy: updated in place
+        if skip is not None:  # a non-finite step: everything as it was
+            torch.where(skip, M, M_new, out=M_new)
+        torch._foreach_copy_(bufs, [m.view(p.shape) for m, p in zip(M_new.split(sizes), params)])
+        del M, M_new  # the momentum is done: two copies fewer held through Newton-Schulz
+        P = torch.cat([p.reshape(-1) for p in params])  # (N,)
+        P_new = P * (1 - lr * wd)
+        for (A, B), rows, X in self.orthogonalized(group, params, update):  # X (n, A, B)
+            ratio = adjusted_lr_ratio(group["adjust_lr_fn"], (A, B))
+            P_new[rows].view(-1, A, B).add_(X, alpha=-lr * ratio)  # X promoted to P's dtype inside the add
+        if skip is not None:
+            torch.where(skip, P, P_new, out=P_new)
+        torch._foreach_copy_(params, [q.view(p.shape) for q, p in zip(P_new.split(sizes), params)])
+
+    def orthogonalized(self, group, params, update):
+        """Newton-Schulz of update's matrices, batched per wide shape (A <= B): a tall shape (B, A) joins its wide
+        twin transposed, as NS(X^T) = NS(X)^T (c_fc (3072, 768) with c_proj (768, 3072)). update: (N,), params'
+        matrices in a row, sorted by shape. Yields ((A, B), the shape's slice of the flat, its (n, A, B) result)."""
+        kinds, offset = {}, 0  # (A, B) -> [n, flat offset]: each shape's matrices side by side
+        for p in params:
+            kinds.setdefault(tuple(p.shape), [0, offset])[0] += 1
+            offset += p.numel()
+        wide = {}
+        for (A, B), (n, start) in kinds.items():
+            wide.setdefault((min(A, B), max(A, B)), []).append(((A, B), slice(start, start + n * A * B), n))
+        for (a, b), members in wide.items():
+            X = torch.empty(sum(n for *_, n in members), a, b, dtype=self.ns_dtype, device=update.device)
+            parts, i = [], 0  # ((A, B), flat slice, first matrix in X, n)
+            for (A, B), rows, n in members:
+                U = update[rows].view(n, A, B)
+                norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # (n, 1, 1)
+                torch.div(U, norm.clamp_(min=group["eps"]), out=in_stack(X, i, n, A > B))  # fp32 math, ns_dtype
+                parts.append(((A, B), rows, i, n))
+                i += n
+            X = newton_schulz(X, group["ns_steps"], group["ns_coefficients"])  # (sum of n, a, b)
+            for (A, B), rows, i, n in parts:
+                yield (A, B), rows, in_stack(X, i, n, A > B)
+
+    def step_one(self, group, p):
+        """One matrix's update (FSDP: a DTensor, orthogonalized whole; see orthogonalize)."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        buf = self.state[p]["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - mu)
+        update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        p.mul_(1 - lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
 
 
 def orthogonalize(update, ns_dtype, steps, coefficients, eps):

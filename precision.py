@@ -320,8 +320,13 @@ def use_compile_cache(folder):
 def compile_model(model, plan, backend="inductor"):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model itself
-    when the plan says no. Compilation happens at the first call: see compiles()."""
-    return torch.compile(model, dynamic=False, backend=backend) if plan.compile else model
+    when the plan says no; the chunked loss's per-chunk body is compiled with it (GPT.compile_loss_head).
+    Compilation happens at the first call: see compiles()."""
+    if not plan.compile:
+        return model
+    if hasattr(model, "compile_loss_head"):  # the chunked loss runs outside the model's graph: its body on its own
+        model.compile_loss_head(backend)
+    return torch.compile(model, dynamic=False, backend=backend)
 
 
 def compiles(step_model, micro_batch, seq_len, plan, warn=print):
@@ -345,6 +350,9 @@ def compiles(step_model, micro_batch, seq_len, plan, warn=print):
         if is_oom(root) or isinstance(root, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(root):
             raise root from None
         torch._dynamo.reset()
+        for m in step_model.modules():  # eager means the loss head's body too
+            if hasattr(m, "compile_loss_head"):
+                m.compile_loss_head(None)
         e = root
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         warn(f"warning: torch.compile failed ({type(e).__name__}: {msg}); continuing without compile "
@@ -447,30 +455,28 @@ class Stepped(NamedTuple):
     flags: list  # the values of optimizer_step's flags, read in the same transfer
 
 
-def skips_on_device(optimizers, scaler, is_outlier):
+def skips_on_device(optimizers, is_outlier):
     """Whether every update can be launched before the step's one host read, a non-finite step skipped
-    on the device: the GradScaler does it for fp16; fused AdamW takes a found_inf flag. Muon, a
-    non-fused AdamW and the outlier test decide on the host, after the read."""
-    return is_outlier is None and (scaler.is_enabled() or all(
-        getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers))
+    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused AdamW
+    and the outlier test decide on the host, after the read. With or without the GradScaler (fp16)."""
+    return is_outlier is None and all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers)
 
 
 def _update(optimizers, scaler, found_inf=None):
-    """Step every optimizer (through the GradScaler when it is on: it skips inf/nan by itself), then one
-    loss-scale update. found_inf: a 0-d tensor, nonzero to skip, for optimizers that take it (fused)."""
+    """Step every optimizer, then one loss-scale update (a no-op without the GradScaler, which backs off
+    when any optimizer's gradients held inf/nan). found_inf: a 0-d tensor, nonzero to skip, one for all
+    the optimizers (they take it as the GradScaler sets it). Never scaler.step: it judges each optimizer
+    on its own gradients, but the one clip over all of them spreads one's inf into the others' as 0 or nan."""
     for opt in optimizers:
-        if scaler.is_enabled():
-            scaler.step(opt)
-        elif found_inf is not None:
-            opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel, as GradScaler sets them
+        if found_inf is not None:
+            opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel; unscaled already
             try:
                 opt.step()
             finally:
                 del opt.grad_scale, opt.found_inf
         else:
             opt.step()
-    if scaler.is_enabled():
-        scaler.update()
+    scaler.update()
 
 
 def set_lr(optimizers, scale):
@@ -485,7 +491,8 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
     """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
     set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
     one clip runs over all parameters, each optimizer steps, the loss scale is updated once. A step whose
-    loss or gradients hold inf/nan is skipped in every precision (the weights never go non-finite);
+    loss or gradients hold inf/nan is skipped in every precision, by every optimizer together (the weights
+    never go non-finite; the clip would spread one optimizer's inf into the others' gradients);
     is_outlier(loss, norm) -> True skips a finite step too (the loss scale is left as it is). flags: a
     1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
     allow (skips_on_device) the update is launched before the read, so the device never waits for the
@@ -498,19 +505,18 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
         norm = norm.full_tensor()
     read = torch.cat([loss.float().view(1), norm.float().to(loss.device).view(1)] +
                      ([flags.float()] if flags is not None else []))  # (2 + flags,)
-    on_device = skips_on_device(optimizers, scaler, is_outlier)
+    on_device = skips_on_device(optimizers, is_outlier)
     if on_device:
-        # (), as GradScaler makes it
-        found_inf = None if scaler.is_enabled() else (~torch.isfinite(read[:2]).all()).float()
+        found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
         _update(optimizers, scaler, found_inf)
     loss, norm, *flags = read.tolist()  # sync: the step's one host read
     finite = math.isfinite(loss) and math.isfinite(norm)
     apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if not on_device:
-        if apply or (scaler.is_enabled() and not finite):
-            _update(optimizers, scaler)  # (the GradScaler skips a non-finite step by itself and lowers its scale)
-        elif scaler.is_enabled():
-            scaler.update()
+        if apply:
+            _update(optimizers, scaler)
+        else:
+            scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     return Stepped(loss, norm, apply, flags)

@@ -114,7 +114,8 @@ def test_count_syncs_sees_item():
     assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum()) == 0
 
 
-@pytest.mark.parametrize("precision_name,optimizer", [("auto", "adamw"), ("fp16", "adamw"), ("auto", "muon")])
+@pytest.mark.parametrize("precision_name,optimizer", [("auto", "adamw"), ("fp16", "adamw"), ("auto", "muon"),
+                                                    ("fp16", "muon")])
 def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, data_dir):
     """The trainer's step (2 micro-steps, clip, fused AdamW (+ Muon), fp16's GradScaler) reads loss and norm
     in one transfer and waits for the GPU nowhere else. The batches come from the trainer's own loader (rows

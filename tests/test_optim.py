@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
 import precision
@@ -109,6 +110,51 @@ def test_muon_update_is_torch_optim_muons():
         b.step()
     step = (theirs - w).abs().max()
     assert (ours - theirs).abs().max() < 0.02 * step  # bf16 rounding (our norm is taken in fp32 first)
+
+
+@pytest.mark.parametrize("ns_dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
+def test_batched_muon_equals_one_matrix_at_a_time(ns_dtype, tol):
+    """The stacked step (same-shape matrices in one batched Newton-Schulz) against the per-matrix update (the
+    previous code, kept for FSDP): the same weights and momentum after 3 steps, within the dtype's rounding."""
+    a, b = tiny(), tiny()
+    opt_a = optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
+    opt_b = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
+    opt_b[1]._step_supports_amp_scaling = False  # the one-matrix path
+    assert len({p.shape for p in opt_a[1].param_groups[0]["params"]}) < len(opt_a[1].param_groups[0]["params"])
+    train(a, opt_a, 3)
+    train(b, opt_b, 3)
+    moved = max((p - q).abs().max().item() for p, q in zip(tiny().parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p - q).abs().max().item() <= tol * moved
+    for p in opt_a[1].param_groups[0]["params"]:
+        m_a = opt_a[1].state[p]["momentum_buffer"]
+        m_b = opt_b[1].state[dict(zip(a.parameters(), b.parameters()))[p]]["momentum_buffer"]
+        torch.testing.assert_close(m_a, m_b, rtol=tol, atol=tol * m_b.abs().max().item())
+
+
+class MatmulShapes(TorchDispatchMode):
+    """The shapes of the bmm's left operand (A = X @ X^T of each Newton-Schulz iteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_newton_schulz_runs_once_per_wide_shape():
+    """One batched Newton-Schulz per wide shape: c_fc (4C, C), tall, joins c_proj (C, 4C) transposed, and
+    c_attn (3C, C) is orthogonalized as (C, 3C): 3 stacks of n_layer (2 x n_layer for the MLP), 5 iterations."""
+    model = tiny()
+    opts = optim.build_optimizers(model, "muon", verbose=False)
+    x, y = batch()
+    model(x, y)[1].backward()
+    with MatmulShapes() as seen:
+        opts[1].step()
+    assert sorted(set(seen.shapes)) == [(2, 32, 32), (2, 32, 96), (4, 32, 128)] and len(seen.shapes) == 15
 
 
 class MatmulDtypes(TorchFunctionMode):

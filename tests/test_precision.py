@@ -249,6 +249,7 @@ def test_compile_failure_falls_back_to_eager():
     assert len(warnings) == 1
     assert "torch.compile failed" in warnings[0] and "capability >= 7.5" in warnings[0] and "\n" not in warnings[0]
     assert all(p.grad is None for p in raw.parameters())  # the probe leaves no gradients
+    assert raw.loss_body is None  # going on eagerly: the loss head's body too
     assert compile_model(raw, dataclasses.replace(plan, compile=False)) is raw  # off: never compiled
     torch._dynamo.reset()
 
@@ -286,6 +287,7 @@ def test_compile_probe_graph_serves_the_first_training_step():
         with autocast(plan):
             model(x, y)[1].backward()
     assert after_probe >= 1 and len(counter.graphs) == after_probe  # no recompile for the real steps
+    assert raw.loss_body is not None  # the loss head's per-chunk body: compiled too, by the probe
     torch._dynamo.reset()
 
 
