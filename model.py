@@ -535,15 +535,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                         grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
                     del dlogits  # the chunk goes before the next one comes
             if need_grad:
-                ctx.save_for_backward(grad_h, grad_w)  # n_valid * the gradients: backward divides
-                ctx.n_valid = n_valid  # (), made here (no input or output): kept as an attribute
+                ctx.save_for_backward(grad_h, grad_w, n_valid)  # n_valid * the gradients: backward divides
             ctx.weight_dtype = weight.dtype
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        scale = grad_loss / ctx.n_valid  # (): one pass over each gradient for the mean and the incoming gradient
+        grad_h, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_loss / n_valid  # (): one pass over each gradient for the mean and the incoming gradient
         return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None
 
 # -----------------------------------------------------------------------------
