@@ -37,17 +37,25 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
-def latest_checkpoint(out_dir, warn=print):
-    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
-    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it.
-    The steps are read with mmap, so that only the chosen file is read in full."""
+def held_steps(out_dir, warn=None):
+    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
+    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
+    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
     held = []
     for _, path in checkpoint_files(out_dir):
         try:
             held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
         except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
-            warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:100]})")
-    for _, path in sorted(held, reverse=True):
+            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: "
+                          f"{str(e)[:100]})")
+    return sorted(held, reverse=True)
+
+
+def latest_checkpoint(out_dir, warn=print):
+    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it;
+    only the chosen file is read in full."""
+    for _, path in held_steps(out_dir, warn):
         try:
             return path, read_checkpoint(path)
         except UserError as e:
@@ -112,13 +120,14 @@ def finished(ckpt, max_steps):
 
 
 def prune_checkpoints(out_dir, step, keep_last):
-    """Once ckpt_{step} is in place: delete the checkpoints older than it but the keep_last - 1 newest
-    (keep_last 0: keep all), and the .tmp left by a save that was killed. Higher-numbered files (an
-    unreadable one that resume skipped) are left alone."""
+    """Once ckpt_{step} is in place: delete the readable checkpoints that hold an older step but the
+    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was killed. An
+    unreadable file is never counted among those kept and never deleted (resume skipped it, with a warning
+    naming it); a checkpoint holding a later step (from before a resume) is left alone."""
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
             os.remove(os.path.join(out_dir, name))
-    older = [path for s, path in checkpoint_files(out_dir) if s < step]
+    older = [path for s, path in held_steps(out_dir) if s < step]
     for path in older[keep_last - 1:] if keep_last > 0 else []:
         os.remove(path)
 
