@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from config import SHAPE_KEYS as MODEL_KEYS
 from distributed import agree
 from fileio import UserError, replacing
 from model import checkpoint_files, read_checkpoint
 from sharding import full_state, load_optimizer_state
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum")

@@ -37,7 +37,7 @@ import memory
 import optim
 import plot
 import precision
-from config import asked_and_resolved, help_text, oddities, parse_args
+from config import asked_and_resolved, check_shape, help_text, oddities, parse_args
 from data import TokenLoader, shard_paths
 from distributed import DistEnv, agree
 from fileio import UserError, fail, write_json
@@ -104,13 +104,16 @@ def run_out_dir(cfg, given):
     return cfg.out_dir
 
 
-def load_model(cfg, ckpt, verbose):
-    """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a save_pretrained dir."""
+def load_model(cfg, given, ckpt, verbose):
+    """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a save_pretrained dir
+    (whose shape a shape key the user set must match)."""
     if ckpt is not None:
         return GPT.from_checkpoint(ckpt)
     config = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
                        n_head=cfg.n_head, n_embd=cfg.n_embd)
-    return GPT.load(cfg.init_from, config=config, verbose=verbose)
+    model = GPT.load(cfg.init_from, config=config, verbose=verbose)
+    check_shape(cfg, given, dataclasses.asdict(model.config))
+    return model
 
 
 def extras(cfg, model, say):
@@ -185,9 +188,9 @@ def resume_point(cfg, given, env, device, lock, say):
     return out_dir, ckpt, overrides
 
 
-def place_model(cfg, ckpt, seq_len, plan, env, say):
+def place_model(cfg, given, ckpt, seq_len, plan, env, say):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot do)."""
-    raw_model = load_model(cfg, ckpt, verbose=env.master)
+    raw_model = load_model(cfg, given, ckpt, verbose=env.master)
     raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, "
@@ -234,7 +237,7 @@ def setup(cfg, given, env, say, lock):
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(value("seed"))
-    raw_model, off = place_model(cfg, ckpt, value("seq_len"), plan, env, say)
+    raw_model, off = place_model(cfg, given, ckpt, value("seq_len"), plan, env, say)
     optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"),
                                         weight_decay=value("weight_decay"),
                                         muon_lr=value("muon_lr"), muon_momentum=value("muon_momentum"),

@@ -149,3 +149,32 @@ def test_a_too_small_data_file_leaves_nothing_behind(tmp_path, monkeypatch, caps
     assert train_gpt2.main(argv) == 2
     assert "val split is" in one_line(capsys.readouterr().err)
     assert os.listdir(tmp_path) == ["short.txt"]
+
+# -----------------------------------------------------------------------------
+# issue 31: nothing the user asked ignored
+
+
+QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
+
+
+def test_a_shape_flag_under_init_from_must_match_the_weights(data_dir, hf_dir, tmp_path, capsys):
+    """--init_from=<save_pretrained dir> --n_layer=8 trained the directory's 2-layer model, exit 0, no word."""
+    base = tiny_args(data_dir, str(tmp_path / "run"), n_layer=None, n_head=None, n_embd=None, block_size=None,
+                     vocab_size=None, max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert train_gpt2.main([*base, f"--init_from={hf_dir}", "--n_layer=8"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "n_layer=8 (the weights: 2)" in line and "drop --n_layer" in line
+    assert not os.path.exists(tmp_path / "run")
+    assert train_gpt2.main([*base, f"--init_from={hf_dir}", "--n_layer=2", "--vocab_size=50257"]) == 0  # as they are
+
+
+def test_a_config_files_shape_keys_under_init_from_must_match_the_weights(data_dir, hf_dir, tmp_path, capsys):
+    """The quickstart's n_layer and vocab_size were dropped under --init_from without a word; --help
+    says what a config file's shape keys mean there."""
+    argv = [QUICKSTART, f"--init_from={hf_dir}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}"]
+    assert train_gpt2.main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {QUICKSTART} sets n_layer=4 (the weights: 2), vocab_size=50304 (the weights: "
+                           "50257), but init_from=")  # (n_head, n_embd and block_size match this small GPT-2)
+    assert "a config for init_from leaves n_layer, vocab_size out" in line
+    assert "init_from not scratch: its weights set the shape" in config.help_text()
