@@ -31,6 +31,7 @@ class Config:
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
     data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
     data: str = ""  # your text (a file, folder or glob), tokenized into a cache beside out_dir: replaces data_dir
+    text_column: str = "text"  # --data's .jsonl, .json and .parquet files: the field that holds the documents
     shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
     out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
     # model (init_from not scratch: its weights set the shape; a shape key set in a file or flag must match them)

@@ -237,16 +237,18 @@ def check_rows(data, cache, T, rows):
                             "micro_batch_size or seq_len")
 
 
-def prepare_own_text(data, cache, T, rows):
+def prepare_own_text(data, cache, T, rows, text_column="text"):
     """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
     mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
     cache is built aside and swapped in only when this run can use it: an error leaves nothing behind."""
     files = source_files(data)
-    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT}
+    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
+             "text_column": text_column}
     try:
         with open(os.path.join(cache, CACHE_FILE)) as f:
             old = json.load(f)
-        same = old["files"] == stamp["files"] and old.get("split") == SPLIT
+        same = old["files"] == stamp["files"] and old.get("split") == SPLIT \
+            and old.get("text_column", "text") == text_column
     except (OSError, ValueError, KeyError, TypeError):
         same = False
     if same:  # reused as it is, even when too small for this run: never split again for a seq_len
@@ -267,7 +269,7 @@ def prepare_own_text(data, cache, T, rows):
         os.makedirs(made[0])
     try:
         with replacing_dir(cache) as tmp:
-            tokenize_into(files, tmp, *split_plan(size))
+            tokenize_into(files, tmp, *split_plan(size), text_column)
             check_rows(data, tmp, T, rows)
             write_json(os.path.join(tmp, CACHE_FILE), stamp)
     except BaseException:
@@ -279,9 +281,10 @@ def prepare_own_text(data, cache, T, rows):
         raise
 
 
-def tokenize_into(files, out_dir, shard_size, val_fraction):
+def tokenize_into(files, out_dir, shard_size, val_fraction, text_column="text"):
     fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", out_dir, "--prefix", "text",
-                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction)]))
+                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction),
+                                      "--text_column", text_column]))
 
 # -----------------------------------------------------------------------------
 # the quickstart corpus: Python's own help pages and standard library, offline
@@ -336,14 +339,14 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True):
+def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text"):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
     checked to hold `rows` rows of seq_len + 1 tokens), the quickstart corpus (data_source="python"), or
     data_dir as it is."""
     if data:
         cache = own_text_dir(data, out_dir)
         if build:
-            prepare_own_text(data, cache, seq_len, rows)
+            prepare_own_text(data, cache, seq_len, rows, text_column)
         return cache
     if build and data_source == "python":
         prepare_python_corpus(data_dir)

@@ -193,13 +193,13 @@ def iter_rows(ds, text_column, where):
         raise FineWebError(f"{where} holds no rows; leave it out of --source")
     if ds.features is not None and text_column not in ds.features:
         raise FineWebError(f"{where} has no column {text_column!r} (columns: {', '.join(ds.features)}); "
-                           "pass --text_column")
+                           "pass --text_column=NAME")
     row = 0
     for batch in ds.iter(batch_size=1000):
         texts = batch.get(text_column)
         if texts is None:
             raise FineWebError(f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(batch)}); "
-                               "pass --text_column")
+                               "pass --text_column=NAME")
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise FineWebError(f"{where}: row {row + i} has no text in column {text_column!r} "

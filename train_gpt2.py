@@ -229,7 +229,7 @@ def setup(cfg, given, env, say, lock):
     # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
         data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, value("seq_len"),
-                                env.world_size * cfg.micro_batch_size, build=env.master)
+                                env.world_size * cfg.micro_batch_size, build=env.master, text_column=cfg.text_column)
         for split in ("train", "val"):
             shard_paths(data_dir, split)  # (one line if not)
         return data_dir

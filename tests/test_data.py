@@ -13,6 +13,7 @@ import torch
 
 import data
 from data import TokenLoader
+from conftest import one_line
 from fileio import UserError
 from tokenizer import EOT, get_encoding
 
@@ -302,3 +303,29 @@ def test_a_stale_cache_holding_foreign_files_is_left_alone(tmp_path):
     with pytest.raises(UserError, match="holds files this trainer did not write"):
         data.prepare_own_text(str(book), str(cache), 32, rows=4)
     assert (cache / "mine.txt").read_text() == "keep me"
+
+
+def test_text_column_is_an_option_of_the_trainer(tmp_path, monkeypatch, capsys):
+    """Issue 31: a .jsonl without a "text" field said "pass --text_column", which the trainer refused as an
+    unknown key. It is the trainer's key now, for .jsonl and .parquet alike; a cache made from another column
+    is made again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from train_gpt2 import main
+    monkeypatch.chdir(tmp_path)
+    chapters = BOOK.split("\n\n")
+    with open("book.jsonl", "w") as f:
+        f.writelines(json.dumps({"body": c, "text": "not this"}) + "\n" for c in chapters)
+    pq.write_table(pa.table({"body": chapters}), "book.parquet")
+    small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--seq_len=32", "--micro_batch_size=2",
+             "--total_batch_size=64", "--max_steps=1", "--eval_interval=0", "--hellaswag_interval=0",
+             "--sample_interval=0"]
+    assert main(["--data=book.parquet", *small]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "has no column 'text' (columns: body); pass --text_column=NAME" in line
+    for name in ("book.parquet", "book.jsonl"):
+        assert main([f"--data={name}", "--text_column=body", f"--out_dir=out/{name}", *small]) == 0
+        cache = json.load(open(os.path.join("out", name, "config.json")))["resolved"]["data_dir"]
+        loader = TokenLoader(cache, "train", 2, 32, shuffle=False)
+        text = get_encoding().decode(np.concatenate(loader.shards).tolist())
+        assert "stormy" in text and "not this" not in text
