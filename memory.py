@@ -447,11 +447,27 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
     else:
         why = ""
     tokens = micro_batch * seq_len * world_size
-    if total_batch_size % tokens:
+    keeps = dividing_micro_batch(micro_batch, seq_len, total_batch_size, world_size)  # same tokens per step
+    if total_batch_size % tokens and fit and keeps:
+        why = (f"micro_batch_size={keeps}: the largest up to {micro_batch} whose {keeps} x {seq_len} x {world_size} "
+               f"rank(s) divides total_batch_size={total_batch_size} (set micro_batch_size to choose yourself)")
+        micro_batch = keeps
+    elif total_batch_size % tokens:
+        other = max(1, round(total_batch_size / tokens)) * tokens
+        fix = (f"--micro_batch_size={keeps} keeps {total_batch_size:,} tokens per step (or --total_batch_size="
+               f"{other} makes it {other:,})" if keeps else f"e.g. --total_batch_size={other}")
         raise UserError(f"total_batch_size={total_batch_size} is not a multiple of micro_batch_size x seq_len x "
-                        f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: "
-                        f"e.g. --total_batch_size={max(1, round(total_batch_size / tokens)) * tokens}")
+                        f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: {fix}")
     return micro_batch, seq_len, why, timed
+
+
+def dividing_micro_batch(micro_batch, seq_len, total_batch_size, world_size):
+    """The largest micro-batch up to micro_batch whose rows over world_size ranks divide total_batch_size
+    (the tokens per step kept, by accumulation), or None when no micro-batch does."""
+    if total_batch_size % (seq_len * world_size):
+        return None
+    rows = total_batch_size // (seq_len * world_size)  # rows per rank per optimizer step
+    return max(b for b in range(1, min(micro_batch, rows) + 1) if rows % b == 0)
 
 
 def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):

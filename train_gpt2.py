@@ -40,7 +40,7 @@ import precision
 from config import asked_and_resolved, check_shape, help_text, oddities, parse_args
 from data import TokenLoader, shard_paths
 from distributed import DistEnv, agree
-from fileio import UserError, fail, write_json
+from fileio import UserError, fail, launcher_note, write_json
 from guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
@@ -497,6 +497,7 @@ def main(argv):
     except Diverged as e:
         if env.master:
             print(f"error: {e}", file=sys.stderr)
+        launcher_note(f"error: {e}")
         return 3
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):

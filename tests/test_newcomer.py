@@ -178,3 +178,20 @@ def test_a_config_files_shape_keys_under_init_from_must_match_the_weights(data_d
                            "50257), but init_from=")  # (n_head, n_embd and block_size match this small GPT-2)
     assert "a config for init_from leaves n_layer, vocab_size out" in line
     assert "init_from not scratch: its weights set the shape" in config.help_text()
+
+
+def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_recipe():
+    """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
+    names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
+    from conftest import tiny_model_and_optimizer
+    from memory import choose_micro_batch
+    from precision import make_plan
+    model, optimizer = tiny_model_and_optimizer()
+    with pytest.raises(UserError) as e:
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=False)
+    assert str(e.value).endswith(": --micro_batch_size=4 keeps 1,024 tokens per step (or --total_batch_size=2048 "
+                                 "makes it 2,048)")
+    B, T, why, _ = choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=True)
+    assert (B, T) == (4, 128) and why.startswith("micro_batch_size=4: the largest up to 8")
+    with pytest.raises(UserError, match=r"= 2048: e\.g\. --total_batch_size=2048$"):  # no micro-batch keeps 1,000
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1000, world_size=2, fit=True)
