@@ -195,3 +195,28 @@ def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_reci
     assert (B, T) == (4, 128) and why.startswith("micro_batch_size=4: the largest up to 8")
     with pytest.raises(UserError, match=r"= 2048: e\.g\. --total_batch_size=2048$"):  # no micro-batch keeps 1,000
         choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1000, world_size=2, fit=True)
+
+
+def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(monkeypatch):
+    """Issue 31: on a 23 GB machine the 124M config's 64 x 1024 step (~60 GB by our own estimate) was never
+    warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
+    Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
+    about with the micro-batch that fits; the OOM line on CPU names a smaller micro-batch, not auto."""
+    import memory
+    from model import GPT, GPTConfig
+    from precision import make_plan
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
+    plan, said = make_plan("cpu"), []
+    need = lambda b: memory.training_bytes_estimate(model.config, b, 1024, device_type="cpu")  # noqa: E731
+    ram = sum(need(8).values()) + 1  # 8 x 1024 fits, 16 x 1024 does not
+    monkeypatch.setattr(memory, "available_ram", lambda: ram)
+    B, T, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)
+    assert (B, T) == (8, 1024) and why.startswith("micro-batch fitted to the free RAM: 64 x 1024 needs ~") and not said
+    assert "8 x 1024 (~" in why and "grad_accum 64 keeps total_batch_size 524288" in why
+    B, _, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=False, warn=said.append)
+    assert B == 64 and why == "" and len(said) == 1
+    assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
+    monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
+    assert memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)[0] == 64
+    line = memory.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
+    assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
