@@ -93,8 +93,9 @@ def resume_overrides(out_dir, cfg, given, say=print):
     for key in MODEL_KEYS + ("init_from",):
         have = model_args.get(key) if key in MODEL_KEYS else saved.get(key, cfg.init_from)
         if key in given and getattr(cfg, key) != have:
+            drop = f"drop --{key} to continue this one" if given[key] == "cli" else f"{given[key]} sets it"
             raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as asked: "
-                            f"choose another --out_dir for a new run (or drop {key} to continue this one)")
+                            f"choose another --out_dir for a new run ({drop})")
     if optimizer_kind(ckpt) != cfg.optimizer:
         raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not {cfg.optimizer} as asked: its "
                         f"optimizer state cannot continue as the other; drop --optimizer to resume, or start a new run "

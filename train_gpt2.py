@@ -96,11 +96,13 @@ class Run:
 
 
 def run_out_dir(cfg, given):
-    """--data without --out_dir on the command line trains in out/<the data's name>, so that your own text
-    never lands in a config file's out_dir beside another run (the quickstart's)."""
+    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
+    another run's out_dir: the config's own run, or another config's run on the same text."""
     if cfg.data and given.get("out_dir") != "cli":
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
-        return os.path.join("out", os.path.splitext(name)[0] or "data")
+        name = os.path.splitext(name)[0] or "data"
+        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
     return cfg.out_dir
 
 
