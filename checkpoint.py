@@ -25,7 +25,7 @@ import torch
 from config import SHAPE_KEYS as MODEL_KEYS
 from distributed import agree
 from fileio import UserError, replacing
-from model import checkpoint_files, read_checkpoint
+from model import checkpoint_files, held_steps, read_checkpoint
 from sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -35,20 +35,6 @@ RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr"
 
 def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
-
-
-def held_steps(out_dir, warn=None):
-    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
-    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
-    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
-    held = []
-    for _, path in checkpoint_files(out_dir):
-        try:
-            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
-        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
-            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: "
-                          f"{str(e)[:100]})")
-    return sorted(held, reverse=True)
 
 
 def latest_checkpoint(out_dir, warn=print):

@@ -220,3 +220,24 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     assert memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)[0] == 64
     line = memory.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
     assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
+
+
+def test_sample_and_hellaswag_skip_a_run_folders_unreadable_newest_checkpoint(run_dir, tmp_path, capsys):
+    """Issue 31: on a run folder whose newest checkpoint is cut short they took it and stopped, where the trainer
+    skips it: now they take the newest readable one (ckpt_000003), with the trainer's warning naming the other."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    data = open(run / "ckpt_000003.pt", "rb").read()
+    open(run / "ckpt_000009.pt", "wb").write(data[:len(data) // 2])
+    argv = ["--device", "cpu", "--prompt", "Hello", "--max_new_tokens", "5", "--temperature", "0"]
+    assert sample.main(["--model", os.path.join(run_dir, "ckpt_000003.pt"), *argv]) == 0
+    expect = capsys.readouterr().out
+    assert sample.main(["--model", str(run), *argv]) == 0
+    got = capsys.readouterr()
+    assert got.out == expect and f"warning: skipping {run / 'ckpt_000009.pt'}: not a readable checkpoint" in got.err
+    assert f"sampling from its newest checkpoint, {run / 'ckpt_000003.pt'}" in got.err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW) + "\n")
+    assert hellaswag.main(["--model", str(run), "--data", str(rows), "--device", "cpu"]) == 0
+    assert f"model: {run / 'ckpt_000003.pt'} (the newest checkpoint in the run folder" in capsys.readouterr().out
