@@ -203,6 +203,10 @@ def source_files(data):
             raise UserError(f"--data={data}: no files match that pattern")
     elif os.path.isdir(data):
         paths = fineweb.folder_files(data)  # the files fineweb.py --source=FOLDER reads
+        skipped = unknown_files(data)
+        if skipped:  # named, so that a file the user meant to train on is not left out without a word
+            print(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
+                  f".parquet: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
         if not paths:
             raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
                             ".parquet files")
@@ -216,6 +220,16 @@ def source_files(data):
         if os.path.getsize(p) == 0:
             raise UserError(f"--data: {p} is empty")
     return [os.path.abspath(p) for p in paths]
+
+
+def unknown_files(folder):
+    """The files of a folder (hidden ones aside) that --data leaves out for their kind (.csv, .png, none)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # as fineweb.folder_files walks it
+        found += [os.path.relpath(os.path.join(root, f), folder) for f in sorted(files)
+                  if not f.startswith(".") and not fineweb.known_kind(f)]
+    return found
 
 
 def own_text_dir(data, out_dir):

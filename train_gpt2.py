@@ -219,6 +219,8 @@ def setup(cfg, given, env, say, lock):
     precision.set_tf32(plan.tf32)
     where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})" if plan.capability else device
     say(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
+    if precision.cpu_note(plan):
+        say(precision.cpu_note(plan))
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)

@@ -241,3 +241,26 @@ def test_sample_and_hellaswag_skip_a_run_folders_unreadable_newest_checkpoint(ru
     rows.write_text(json.dumps(ROW) + "\n")
     assert hellaswag.main(["--model", str(run), "--data", str(rows), "--device", "cpu"]) == 0
     assert f"model: {run / 'ckpt_000003.pt'} (the newest checkpoint in the run folder" in capsys.readouterr().out
+
+
+def test_silent_choices_are_said(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 31: --data=<folder> skipped .csv, .png and extensionless files without naming them; --precision=fp16
+    on CPU was taken without a note (and runs far slower there)."""
+    import data
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("alpha")
+    (folder / "table.csv").write_text("x,y\n")
+    (folder / "sub" / "plot.png").write_bytes(b"\x89PNG")
+    (folder / "NOTES").write_text("no extension")
+    (folder / ".hidden.csv").write_text("hidden: not named")
+    assert data.source_files(str(folder)) == [str(folder / "a.txt")]
+    said = capsys.readouterr().out
+    assert said.strip() == (f"data: skipping 3 file(s) in {folder} that are not .txt, .md, .py, .jsonl, .json or "
+                            f".parquet: NOTES, table.csv, {os.path.join('sub', 'plot.png')}")
+    run = lambda prec: train_gpt2.main(tiny_args(data_dir, str(tmp_path / prec), max_steps=1, eval_interval=0,  # noqa
+                                                 checkpoint_interval=0, device="cpu", precision=prec))
+    assert run("fp16") == 0
+    assert "note: precision=fp16 on CPU runs far slower than fp32" in capsys.readouterr().out
+    assert run("fp32") == 0
+    assert "note: precision" not in capsys.readouterr().out
