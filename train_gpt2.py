@@ -25,6 +25,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+# before torch loads OpenMP: a thread waiting for the others sleeps instead of spinning, so that on a CPU
+# shared with other work a step is not held up by spinning threads (2-core CPU under load: a quickstart-shaped
+# step 2.3 s -> 0.5 s, the same as 1 thread; README "CPU threads"). OMP_WAIT_POLICY=ACTIVE keeps the spin.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

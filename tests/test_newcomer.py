@@ -264,3 +264,20 @@ def test_silent_choices_are_said(data_dir, tmp_path, monkeypatch, capsys):
     assert "note: precision=fp16 on CPU runs far slower than fp32" in capsys.readouterr().out
     assert run("fp32") == 0
     assert "note: precision" not in capsys.readouterr().out
+
+
+def test_the_trainer_lets_waiting_cpu_threads_sleep():
+    """Issue 31: with the default thread count, quickstart steps took ~6 s on a shared 2-core machine, ~0.5 s with
+    one thread: OpenMP's threads spin while they wait for a peer the OS has descheduled. The trainer sets
+    OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (measured in the commit and the README), unless the user
+    set it."""
+    import subprocess
+    import sys
+    code = "import os, train_gpt2, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads() > 0)"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["PASSIVE", "True"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["ACTIVE", "True"], out.stderr
