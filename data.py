@@ -12,9 +12,11 @@ Shards are fineweb.py's 1-D uint16 .npy files, memory-mapped; a split is the fil
 "val" in their names.
 """
 import bisect
+import contextlib
 import functools
 import glob
 import hashlib
+import io
 import json
 import os
 import re
@@ -305,7 +307,10 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
         os.makedirs(made[0])
     try:
         with replacing_dir(cache) as tmp:
-            tokenize_into(files, tmp, *split_plan(size), text_column)
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said):  # fineweb.py's lines name the temp folder: the cache's name
+                tokenize_into(files, tmp, *split_plan(size), text_column)
+            print(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
             write_json(os.path.join(tmp, CACHE_FILE), stamp)
     except BaseException:

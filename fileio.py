@@ -51,6 +51,9 @@ def fail(e, quiet=False):
     the previous ones are intact and the same command runs again once the machine is fixed."""
     if isinstance(e, UserError):
         message, code = str(e), 2
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder the user chose but cannot write: 2
+        what = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        message, code = f"{what}{e.strerror or e}; choose a folder you can write to, or change its permissions", 2
     else:
         what = f"{e.filename}: " if getattr(e, "filename", None) else ""
         fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"

@@ -368,8 +368,9 @@ def held_steps(out_dir, warn=None):
         try:
             held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
         except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
-            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: "
-                          f"{str(e)[:100]})")
+            why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
+            why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
+            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
     return sorted(held, reverse=True)
 
 

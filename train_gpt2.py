@@ -267,6 +267,10 @@ def setup(cfg, given, env, say, lock):
                                cfg.shuffle, value("seed"))
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                              shuffle=False) if cfg.eval_interval > 0 else None
+    if val_loader is not None and cfg.val_steps * B * env.world_size > val_loader.n_rows:
+        say(f"note: val_steps={cfg.val_steps} reads {cfg.val_steps * B * env.world_size} rows of {T} + 1 tokens, the "
+            f"val split holds {val_loader.n_rows}: some rows count twice in the val loss; "
+            f"--val_steps={max(1, val_loader.n_rows // (B * env.world_size))} reads each at most once")
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
         say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
@@ -274,6 +278,7 @@ def setup(cfg, given, env, say, lock):
     # what the run resolved, beside what was asked (the model decides its shape)
     decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
                    out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
+                   **({"data_source": "fineweb"} if cfg.data else {}),  # --data's cache: fineweb.py's shards
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
                    micro_batch_size=B, seq_len=T, auto_micro_batch=False)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
@@ -448,7 +453,7 @@ def periodic(run, step, last, say, runlog, progress):
         runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
     evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
     if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
-        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
+        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png when matplotlib is installed; never a crash
         progress.plotted_at = time.time()
     if run.env.master and step > 0 and due(cfg.sample_interval):
         for text in sample(run):

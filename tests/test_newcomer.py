@@ -281,3 +281,48 @@ def test_the_trainer_lets_waiting_cpu_threads_sleep():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["ACTIVE", "True"], out.stderr
+
+
+def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 31's cosmetic items: a skip warning cut mid-word ("This is an interna"); the --data cache's temp
+    folder printed; "data_source": "python" in a --data run's config; val rows read twice without a word; a
+    read-only out_dir exiting 1 (the machine's failure) rather than 2 (the user's to fix)."""
+    import checkpoint
+    bad = tmp_path / "ckpts"
+    bad.mkdir()
+    (bad / "ckpt_000004.pt").write_bytes(b"PK\x03\x04" + b"x" * 300)  # a zip's magic, then nothing a zip holds
+    warnings = []
+    checkpoint.latest_checkpoint(str(bad), warn=warnings.append)
+    why = warnings[0].split("not a readable checkpoint (RuntimeError: ", 1)[1]
+    assert why.startswith("PytorchStreamReader failed reading zip archive") and why.endswith(" ...)"), why
+    words = why[:-len(" ...)")].split()  # torch's words up to a whole one: never "This is an interna"
+    assert " ".join(words) in "PytorchStreamReader failed reading zip archive: failed finding central directory. " \
+        "This is an internal miniz error. If you are seeing this error, there is a high likelihood" and \
+        words[-1] in ("internal", "miniz", "error.", "If", "you", "are", "seeing", "this", "error,", "there", "is"), why
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_book.txt").write_text("Once upon a time there was a long story that went on. " * 2000)
+    argv = [QUICKSTART, "--data=my_book.txt", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+            "--seq_len=32", "--micro_batch_size=2", "--total_batch_size=64", "--max_steps=1", "--eval_interval=1",
+            "--val_steps=500", "--sample_interval=0"]
+    assert train_gpt2.main(argv) == 0
+    out = capsys.readouterr().out
+    cache = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]["data_dir"]
+    wrote = [line for line in out.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 1 and wrote[0].endswith(f"tokens) to {cache}"), out  # the cache's name, not its temp's
+    notes = [line for line in out.splitlines() if line.startswith("note: val_steps=500 reads 1000 rows")]
+    assert len(notes) == 1 and "some rows count twice in the val loss" in notes[0], out
+    resolved = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]
+    assert resolved["data_source"] == "fineweb" and "data_cache" in resolved["data_dir"]
+
+    import errno
+    real_makedirs = os.makedirs
+
+    def read_only(path, *a, **k):  # a read-only file system (root writes into a chmod 555 folder anyway)
+        if "readonly" in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_makedirs(path, *a, **k)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "readonly" / "run"), max_steps=1)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "Read-only file system; choose a folder you can write to, or change its permissions" in line
