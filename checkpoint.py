@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from config import SHAPE_KEYS as MODEL_KEYS
 from distributed import agree
 from fileio import UserError, replacing
-from model import checkpoint_files, read_checkpoint
+from model import checkpoint_files, held_steps, read_checkpoint
 from sharding import full_state, load_optimizer_state
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum")
@@ -39,15 +39,9 @@ def checkpoint_path(out_dir, step):
 
 def latest_checkpoint(out_dir, warn=print):
     """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
-    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it.
-    The steps are read with mmap, so that only the chosen file is read in full."""
-    held = []
-    for _, path in checkpoint_files(out_dir):
-        try:
-            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
-        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
-            warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:100]})")
-    for _, path in sorted(held, reverse=True):
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it;
+    only the chosen file is read in full."""
+    for _, path in held_steps(out_dir, warn):
         try:
             return path, read_checkpoint(path)
         except UserError as e:
@@ -85,8 +79,9 @@ def resume_overrides(out_dir, cfg, given, say=print):
     for key in MODEL_KEYS + ("init_from",):
         have = model_args.get(key) if key in MODEL_KEYS else saved.get(key, cfg.init_from)
         if key in given and getattr(cfg, key) != have:
+            drop = f"drop --{key} to continue this one" if given[key] == "cli" else f"{given[key]} sets it"
             raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as asked: "
-                            f"choose another --out_dir for a new run (or drop {key} to continue this one)")
+                            f"choose another --out_dir for a new run ({drop})")
     if optimizer_kind(ckpt) != cfg.optimizer:
         raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not {cfg.optimizer} as asked: its "
                         f"optimizer state cannot continue as the other; drop --optimizer to resume, or start a new run "
@@ -112,13 +107,14 @@ def finished(ckpt, max_steps):
 
 
 def prune_checkpoints(out_dir, step, keep_last):
-    """Once ckpt_{step} is in place: delete the checkpoints older than it but the keep_last - 1 newest
-    (keep_last 0: keep all), and the .tmp left by a save that was killed. Higher-numbered files (an
-    unreadable one that resume skipped) are left alone."""
+    """Once ckpt_{step} is in place: delete the readable checkpoints that hold an older step but the
+    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was killed. An
+    unreadable file is never counted among those kept and never deleted (resume skipped it, with a warning
+    naming it); a checkpoint holding a later step (from before a resume) is left alone."""
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
             os.remove(os.path.join(out_dir, name))
-    older = [path for s, path in checkpoint_files(out_dir) if s < step]
+    older = [path for s, path in held_steps(out_dir) if s < step]
     for path in older[keep_last - 1:] if keep_last > 0 else []:
         os.remove(path)
 

@@ -31,9 +31,10 @@ class Config:
     data_dir: str = "edu_fineweb10B"  # token shards written by fineweb.py
     data_source: str = "fineweb"  # "python": if data_dir is missing or empty, build the quickstart corpus in it
     data: str = ""  # your text (a file, folder or glob), tokenized into a cache beside out_dir: replaces data_dir
+    text_column: str = "text"  # --data's .jsonl, .json and .parquet files: the field that holds the documents
     shuffle: bool = True  # train rows in a fresh seeded order each epoch (data.TokenLoader); false: file order
     out_dir: str = "out"  # checkpoints, log.jsonl, config.json (and curves.png, TensorBoard/W&B files)
-    # model
+    # model (init_from not scratch: its weights set the shape; a shape key set in a file or flag must match them)
     init_from: str = "scratch"  # "scratch", a GPT-2 name (gpt2 .. gpt2-xl), a save_pretrained dir or a ckpt_*.pt
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block
@@ -177,7 +178,8 @@ def read_config_file(path):
 
 def parse_args(argv):
     """Config files and --key=value overrides, applied in order. Returns (the frozen Config, {key the user
-    set: "file" or "cli", where it was set last}). micro_batch_size=auto is stored as auto_micro_batch=true."""
+    set: "cli" or the config file's path, where it was set last}). micro_batch_size=auto is stored as
+    auto_micro_batch=true."""
     values, given = {}, {}
     for arg in argv:
         if arg.startswith("--"):
@@ -187,7 +189,7 @@ def parse_args(argv):
             check_key(key)
             items, source = {key: parse_value(key, text)}, "cli"
         else:
-            items, source = read_config_file(arg), "file"
+            items, source = read_config_file(arg), arg
         for key, value in items.items():
             check_key(key)
             if key == "micro_batch_size":  # "auto" or a number: which one, said once, here
@@ -228,6 +230,24 @@ def validate(cfg):
     if os.path.isfile(cfg.out_dir):
         raise UserError(f"out_dir {cfg.out_dir!r} is a file; out_dir is a folder: move the file or choose another "
                         "out_dir")
+
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # the model's shape
+
+
+def check_shape(cfg, given, shape):
+    """Under init_from (not scratch) the model's shape comes from its weights (shape: {key: value}): a shape
+    key the user set, in a config file or on the command line, that differs is one UserError line."""
+    differ = [k for k in SHAPE_KEYS if k in given and getattr(cfg, k) != shape[k]]
+    if not differ:
+        return
+    said = ", ".join(f"{k}={getattr(cfg, k)} (the weights: {shape[k]})" for k in differ)
+    if any(given[k] == "cli" for k in differ):
+        flags = " ".join(f"--{k}" for k in differ if given[k] == "cli")
+        raise UserError(f"{said} but init_from={cfg.init_from!r} sets the model's shape: drop {flags} (or drop "
+                        f"--init_from to train a fresh model of that shape)")
+    raise UserError(f"{given[differ[0]]} sets {said}, but init_from={cfg.init_from!r} sets the model's shape: a "
+                    f"config for init_from leaves {', '.join(differ)} out (as configs/finetune_gpt2.py does)")
 
 
 def oddities(cfg):

@@ -12,9 +12,11 @@ Shards are fineweb.py's 1-D uint16 .npy files, memory-mapped; a split is the fil
 "val" in their names.
 """
 import bisect
+import contextlib
 import functools
 import glob
 import hashlib
+import io
 import json
 import os
 import re
@@ -46,6 +48,23 @@ def shard_paths(data_dir, split):
 
 def has_shards(data_dir):
     return os.path.isdir(data_dir) and any(f.endswith(".npy") for f in os.listdir(data_dir))
+
+
+def check_shards(data_dir):
+    """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a partial
+    copy), with the ways to repair it; nothing without a manifest."""
+    problems = fineweb.startup_problems(data_dir)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"data_dir {data_dir!r}: {problems[0]}{more}, listed in its {fineweb.MANIFEST}: copy it "
+                        f"again if data_dir is a copy, or run the command that made it again, which redoes the shards "
+                        f"from there: {fineweb.repair_command(data_dir)}")
+
+
+def shard_maxima(data_dir):
+    """{shard name: its largest token id} from data_dir's manifest (fineweb.py writes it), {} without one."""
+    manifest = fineweb.load_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, fineweb.MANIFEST)) else None
+    return {s["name"]: s["max_token"] for s in manifest["shards"] if "max_token" in s} if manifest else {}
 
 # -----------------------------------------------------------------------------
 # the loader: rows of T+1 tokens, in a seeded order that depends on (seed, epoch) alone
@@ -101,7 +120,13 @@ class TokenLoader:
             raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer than one micro-batch "
                             f"needs ({B} rows of {T} + 1 tokens, x {world_size} rank(s)): prepare more data or lower "
                             "micro_batch_size/seq_len")
-        self.checked = set()  # shards whose tokens were checked against vocab_size
+        if vocab_size is not None:  # at start-up, never in the loop: the manifest's maxima, else one scan a shard
+            maxima = shard_maxima(data_dir)
+            for path, shard in zip(self.paths, self.shards):
+                top = maxima.get(os.path.basename(path))
+                top = int(shard.max()) if top is None else top  # (~0.1-2 s a 100M-token shard)
+                if top >= vocab_size:
+                    raise UserError(f"{path} holds token id {top} but vocab_size is {vocab_size}: raise vocab_size")
         self._layout = (None,)  # the last epoch's layout()
         self.reset()
 
@@ -124,13 +149,7 @@ class TokenLoader:
         s, j = order[k], i - starts[k]  # the j-th row of shard s in this epoch's order
         if self.shuffle:
             j = permutation(self.rows[s], self.seed, epoch, s)[j]
-        shard = self.shards[s]
-        if self.vocab_size is not None and s not in self.checked:  # once a shard, when first read
-            if int(shard.max()) >= self.vocab_size:
-                raise UserError(f"{self.paths[s]} holds token id {int(shard.max())} but vocab_size is "
-                                f"{self.vocab_size}: raise vocab_size")
-            self.checked.add(s)
-        return shard[j * self.T:(j + 1) * self.T + 1]
+        return self.shards[s][j * self.T:(j + 1) * self.T + 1]
 
     def next_batch(self, device="cpu"):
         """The next inputs and targets (B, T) on device. The B rows are gathered into one host buffer
@@ -157,8 +176,10 @@ class TokenLoader:
         theirs = {k: state.get(k) for k in self.identity()}
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
+            missing = [s for s in state.get("shards") or [] if s not in self.identity()["shards"]]
             what = f"{len(state.get('shards') or [])} shards, {state.get('n_tokens')} tokens" \
                 if key in ("shards", "n_tokens") else f"{key}={theirs[key]!r}, this run {self.identity()[key]!r}"
+            what += f"; not here: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
                             "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
                             "this data in a new run: --out_dir=<a new folder>, from its weights with "
@@ -184,6 +205,10 @@ def source_files(data):
             raise UserError(f"--data={data}: no files match that pattern")
     elif os.path.isdir(data):
         paths = fineweb.folder_files(data)  # the files fineweb.py --source=FOLDER reads
+        skipped = unknown_files(data)
+        if skipped:  # named, so that a file the user meant to train on is not left out without a word
+            print(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
+                  f".parquet: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
         if not paths:
             raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
                             ".parquet files")
@@ -197,6 +222,16 @@ def source_files(data):
         if os.path.getsize(p) == 0:
             raise UserError(f"--data: {p} is empty")
     return [os.path.abspath(p) for p in paths]
+
+
+def unknown_files(folder):
+    """The files of a folder (hidden ones aside) that --data leaves out for their kind (.csv, .png, none)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # as fineweb.folder_files walks it
+        found += [os.path.relpath(os.path.join(root, f), folder) for f in sorted(files)
+                  if not f.startswith(".") and not fineweb.known_kind(f)]
+    return found
 
 
 def own_text_dir(data, out_dir):
@@ -237,19 +272,24 @@ def check_rows(data, cache, T, rows):
                             "micro_batch_size or seq_len")
 
 
-def prepare_own_text(data, cache, T, rows):
+def prepare_own_text(data, cache, T, rows, text_column="text"):
     """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
     mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
     cache is built aside and swapped in only when this run can use it: an error leaves nothing behind."""
     files = source_files(data)
-    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT}
+    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
+             "text_column": text_column}
     try:
         with open(os.path.join(cache, CACHE_FILE)) as f:
             old = json.load(f)
-        same = old["files"] == stamp["files"] and old.get("split") == SPLIT
+        same = old["files"] == stamp["files"] and old.get("split") == SPLIT \
+            and old.get("text_column", "text") == text_column
     except (OSError, ValueError, KeyError, TypeError):
         same = False
-    if same:  # reused as it is, even when too small for this run: never split again for a seq_len
+    broken = same and fineweb.startup_problems(cache)  # a shard deleted or cut short: made again
+    if broken:
+        print(f"data: {cache}: {broken[0]}: tokenizing {data} again")
+    elif same:  # reused as it is, even when too small for this run: never split again for a seq_len
         check_rows(data, cache, T, rows)
         print(f"data: {data} as tokenized before, in {cache}")
         return
@@ -267,7 +307,10 @@ def prepare_own_text(data, cache, T, rows):
         os.makedirs(made[0])
     try:
         with replacing_dir(cache) as tmp:
-            tokenize_into(files, tmp, *split_plan(size))
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said):  # fineweb.py's lines name the temp folder: the cache's name
+                tokenize_into(files, tmp, *split_plan(size), text_column)
+            print(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
             write_json(os.path.join(tmp, CACHE_FILE), stamp)
     except BaseException:
@@ -279,9 +322,10 @@ def prepare_own_text(data, cache, T, rows):
         raise
 
 
-def tokenize_into(files, out_dir, shard_size, val_fraction):
+def tokenize_into(files, out_dir, shard_size, val_fraction, text_column="text"):
     fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", out_dir, "--prefix", "text",
-                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction)]))
+                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction),
+                                      "--text_column", text_column]))
 
 # -----------------------------------------------------------------------------
 # the quickstart corpus: Python's own help pages and standard library, offline
@@ -311,7 +355,10 @@ def prepare_python_corpus(data_dir):
         return  # a file: shard_paths() says what to do instead
     manifest = os.path.join(data_dir, fineweb.MANIFEST)
     if has_shards(data_dir) and (not os.path.exists(manifest) or fineweb.load_manifest(data_dir).get("complete")):
-        return
+        broken = os.path.exists(manifest) and fineweb.startup_problems(data_dir)
+        if not broken:
+            return
+        print(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
     foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", fineweb.MANIFEST}
     if foreign and not has_shards(data_dir):
         raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
@@ -336,15 +383,17 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True):
+def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text"):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
     checked to hold `rows` rows of seq_len + 1 tokens), the quickstart corpus (data_source="python"), or
     data_dir as it is."""
     if data:
         cache = own_text_dir(data, out_dir)
         if build:
-            prepare_own_text(data, cache, seq_len, rows)
+            prepare_own_text(data, cache, seq_len, rows, text_column)
         return cache
     if build and data_source == "python":
         prepare_python_corpus(data_dir)
+    if os.path.isdir(data_dir):
+        check_shards(data_dir)  # every rank: the shards it will read, against the manifest
     return data_dir

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 
 
@@ -50,13 +51,30 @@ def fail(e, quiet=False):
     the previous ones are intact and the same command runs again once the machine is fixed."""
     if isinstance(e, UserError):
         message, code = str(e), 2
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder the user chose but cannot write: 2
+        what = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        message, code = f"{what}{e.strerror or e}; choose a folder you can write to, or change its permissions", 2
     else:
         what = f"{e.filename}: " if getattr(e, "filename", None) else ""
         fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
         message, code = f"{what}{e.strerror or e}; {fix} and run the same command again", 1
+    line = "error: " + " ".join(line.strip() for line in message.splitlines())
     if not quiet:
-        print("error: " + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
+        print(line, file=sys.stderr)
+    launcher_note(line)
     return code
+
+
+def launcher_note(line):
+    """Under torchrun, the error line into this worker's error file as well: torchrun's failure summary,
+    printed last, then shows it instead of "To enable traceback see ..." (the line above stays visible)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
 
 
 def check_output_file(path, option):

@@ -39,6 +39,7 @@ import lzma
 import math
 import multiprocessing
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -193,13 +194,13 @@ def iter_rows(ds, text_column, where):
         raise FineWebError(f"{where} holds no rows; leave it out of --source")
     if ds.features is not None and text_column not in ds.features:
         raise FineWebError(f"{where} has no column {text_column!r} (columns: {', '.join(ds.features)}); "
-                           "pass --text_column")
+                           "pass --text_column=NAME")
     row = 0
     for batch in ds.iter(batch_size=1000):
         texts = batch.get(text_column)
         if texts is None:
             raise FineWebError(f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(batch)}); "
-                               "pass --text_column")
+                               "pass --text_column=NAME")
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise FineWebError(f"{where}: row {row + i} has no text in column {text_column!r} "
@@ -377,6 +378,44 @@ def check_shard(out_dir, shard):
     return None
 
 
+def startup_problems(out_dir):
+    """What a trainer starting on out_dir can check in a moment against its manifest (no sha256): the listed
+    shards missing, unreadable or of another length. [] without a manifest."""
+    manifest, problems = load_manifest(out_dir), []
+    for shard in manifest["shards"] if manifest else []:
+        path = os.path.join(out_dir, shard["name"])
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except FileNotFoundError:
+            problems.append(f"{shard['name']} is missing")
+            continue
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign .npy
+            problems.append(f"{shard['name']} is not a readable .npy ({one_line(e)})")
+            continue
+        if tokens.dtype != np.uint16 or tokens.shape != (shard["tokens"],):
+            problems.append(f"{shard['name']} holds {tokens.dtype} {tokens.shape}, the manifest says uint16 "
+                            f"({shard['tokens']},)")
+    return problems
+
+
+def repair_command(out_dir):
+    """The fineweb.py command that made out_dir's shards, from its manifest: run again, it redoes them from
+    the first one missing or damaged."""
+    settings = load_manifest(out_dir)["settings"]
+    source, opts = settings["source"], []
+    if "files" in source:
+        opts += ["--source", shlex.quote(source["files"][0]["path"]) + (" ..." if len(source["files"]) > 1 else "")]
+    else:
+        opts += ["--dataset", source["dataset"], "--name", source["name"], "--split", source["split"]]
+    if source.get("text_column", "text") != "text":
+        opts += ["--text_column", source["text_column"]]
+    for key, default in (("prefix", "edufineweb"), ("shard_size", 10**8), ("val_fraction", None),
+                         ("max_tokens", None)):
+        if settings.get(key, default) != default:
+            opts += [f"--{key}", str(settings[key])]
+    return " ".join(["python fineweb.py", *opts, "--out_dir", shlex.quote(out_dir)])
+
+
 def loose_shards(out_dir):
     """.npy files the trainer would read as shards (names with 'train' or 'val')."""
     if not os.path.isdir(out_dir):
@@ -524,6 +563,7 @@ def build(args):
     def save(tokens, parts, listed):  # writer thread: the chunk's shard files, then the manifest that lists them
         for entry, (_, _, start, end) in zip(listed[len(listed) - len(parts):], parts):
             entry["sha256"] = write_shard(os.path.join(args.out_dir, entry["name"]), tokens[start:end])
+            entry["max_token"] = int(tokens[start:end].max())  # the trainer's vocab check, without a scan
         write_json(manifest_path, make_manifest(settings, listed, complete=False))
 
     def finish_shard(position):

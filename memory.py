@@ -464,11 +464,65 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
     else:
         why = ""
     tokens = micro_batch * seq_len * world_size
-    if total_batch_size % tokens:
+    keeps = dividing_micro_batch(micro_batch, seq_len, total_batch_size, world_size)  # same tokens per step
+    if total_batch_size % tokens and fit and keeps:
+        why = (f"micro_batch_size={keeps}: the largest up to {micro_batch} whose {keeps} x {seq_len} x {world_size} "
+               f"rank(s) divides total_batch_size={total_batch_size} (set micro_batch_size to choose yourself)")
+        micro_batch = keeps
+    elif total_batch_size % tokens:
+        other = max(1, round(total_batch_size / tokens)) * tokens
+        fix = (f"--micro_batch_size={keeps} keeps {total_batch_size:,} tokens per step (or --total_batch_size="
+               f"{other} makes it {other:,})" if keeps else f"e.g. --total_batch_size={other}")
         raise UserError(f"total_batch_size={total_batch_size} is not a multiple of micro_batch_size x seq_len x "
-                        f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: "
-                        f"e.g. --total_batch_size={max(1, round(total_batch_size / tokens)) * tokens}")
+                        f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: {fix}")
+    if plan.device_type == "cpu":
+        micro_batch, why = fit_cpu_ram(model.config, micro_batch, seq_len, total_batch_size, world_size, plan.dtype,
+                                       fit, optimizer, warn) or (micro_batch, why)
     return micro_batch, seq_len, why, timed
+
+
+def available_ram():
+    """Bytes of RAM free for a new process (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def fit_cpu_ram(config, micro_batch, seq_len, total_batch_size, world_size, dtype, fit, optimizer, warn):
+    """On CPU, before the first step: a micro-batch whose step needs more than the free RAM by the estimate
+    (the kernel's OOM killer would end the run without a word) is lowered to the largest that fits and keeps
+    total_batch_size where the user left it to its default (fit), else warned about with the one that fits.
+    Returns (micro_batch, why) when it lowered it, else None."""
+    ram = available_ram()
+    need = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, "cpu", world_size,  # noqa: E731
+                                                 optimizer=optimizer).values()) * world_size  # ranks share the RAM
+    if ram is None or need(micro_batch) <= ram:
+        return None
+    rows = total_batch_size // (seq_len * world_size)
+    fitting = [b for b in range(1, micro_batch) if rows % b == 0 and need(b) <= ram]
+    said = f"{micro_batch} x {seq_len} needs ~{fmt_bytes(need(micro_batch))} of RAM by the estimate, " \
+           f"{fmt_bytes(ram)} is free"
+    if not fitting:
+        warn(f"warning: micro-batch {said}, and not even 1 x {seq_len} fits: the run may be killed for memory; use "
+             "a smaller model or seq_len, or --activation_checkpointing=blocks")
+        return None
+    b = max(fitting)
+    how = f"{b} x {seq_len} (~{fmt_bytes(need(b))}, grad_accum {rows // b} keeps total_batch_size {total_batch_size})"
+    if fit:
+        return b, f"micro-batch fitted to the free RAM: {said}; {how} (set micro_batch_size to choose yourself)"
+    warn(f"warning: micro-batch {said}: the run may be killed for memory; --micro_batch_size={b} fits: {how}")
+    return None
+
+
+def dividing_micro_batch(micro_batch, seq_len, total_batch_size, world_size):
+    """The largest micro-batch up to micro_batch whose rows over world_size ranks divide total_batch_size
+    (the tokens per step kept, by accumulation), or None when no micro-batch does."""
+    if total_batch_size % (seq_len * world_size):
+        return None
+    rows = total_batch_size // (seq_len * world_size)  # rows per rank per optimizer step
+    return max(b for b in range(1, min(micro_batch, rows) + 1) if rows % b == 0)
 
 
 def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
@@ -479,6 +533,9 @@ def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
     if B is None:
         return (f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true "
                 "under torchrun, or a device with more memory")
-    return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try --micro_batch_size=auto, a smaller "
-            "--micro_batch_size (total_batch_size stays, by more accumulation steps) or "
+    auto = "" if cpu else "--micro_batch_size=auto, "  # (on CPU auto keeps the micro-batch it was given)
+    smaller = max((b for b in range(1, B) if (B * grad_accum) % b == 0), default=None)  # keeps the step's rows
+    eg = f" (e.g. {smaller}" if smaller else " ("
+    return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try {auto}a smaller "
+            f"--micro_batch_size{eg}{'; ' if smaller else ''}total_batch_size stays, by more accumulation steps) or "
             "--activation_checkpointing=blocks")

@@ -369,11 +369,28 @@ def checkpoint_files(out_dir):
     return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
 
 
-def newest_checkpoint(spec):
+def held_steps(out_dir, warn=None):
+    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
+    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
+    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
+    held = []
+    for _, path in checkpoint_files(out_dir):
+        try:
+            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
+        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
+            why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
+            why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
+            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
+    return sorted(held, reverse=True)
+
+
+def newest_checkpoint(spec, warn=print):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
-    checkpoint, the highest step: sample.py and hellaswag.py take a run folder this way."""
+    readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
+    sample.py and hellaswag.py take a run folder this way."""
     files = checkpoint_files(spec)
-    return files[0][1] if files else spec
+    held = held_steps(spec, warn) if files else []
+    return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
 
 
 def read_checkpoint(path):

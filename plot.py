@@ -102,6 +102,17 @@ def smoothing_span(n):
     """Points averaged for a train-loss curve of n points: ~1% of the run, at least 1."""
     return max(1, n // 100)
 
+
+def train_lines(ys):
+    """[(values, line style, legend label or None)] of a train-loss curve: raw and faint under its smoothed
+    line, or (a run under 200 steps, span 1: nothing to smooth) raw alone, labelled as what it is."""
+    span = smoothing_span(len(ys))
+    if not ys:
+        return []
+    if span == 1:
+        return [(ys, {}, "train")]
+    return [(ys, {"alpha": 0.2, "linewidth": 0.8}, None), (smooth(ys, span), {}, f"train (smoothed, {span} steps)")]
+
 # -----------------------------------------------------------------------------
 # drawing
 
@@ -124,9 +135,8 @@ def draw(runs, out):
         c = run["config"]
         label = f"{run['name']} ({c.get('n_layer', '?')}L {c.get('n_embd', '?')}d)"
         xs, ys = run["train"]
-        if xs:
-            ax_loss.plot(xs, ys, color=color, alpha=0.2, linewidth=0.8)
-            ax_loss.plot(xs, smooth(ys, smoothing_span(len(ys))), color=color, label=f"{label} train (smoothed)")
+        for values, style, what in train_lines(ys):
+            ax_loss.plot(xs, values, color=color, **style, **({"label": f"{label} {what}"} if what else {}))
         xs, ys = run["val"]
         if xs:
             ax_loss.plot(xs, ys, color=color, linestyle="--", marker=".", label=f"{label} val")
@@ -135,7 +145,7 @@ def draw(runs, out):
             ax_hs.plot(xs, ys, color=color, marker=".", label=label)
     sizes = sorted({reference_size(r["config"].get("n_layer", 12), r["config"].get("n_embd", 768)) for r in runs},
                    key=list(GPT2_SHAPES).index)
-    fineweb = any(r["config"].get("data_source", "fineweb") == "fineweb" for r in runs)
+    fineweb = any(r["config"].get("data_source", "fineweb") == "fineweb" and not r["config"].get("data") for r in runs)
     for i, size in enumerate(sizes):
         for (label, y), style in zip(VAL_LOSS_REFS.get(size, []) if fineweb else [], [":"]):
             ax_loss.axhline(y, color="red", linestyle=style, linewidth=1, label=f"{label} ({y:.2f})")
@@ -175,14 +185,15 @@ _noted = False
 
 
 def refresh(out_dir, say=print):
-    """Redraw out_dir/curves.png. Never raises: the first problem (matplotlib missing, an unreadable
-    log...) is said once, as a note, and later ones stay silent. Returns True when the file was written."""
+    """Redraw out_dir/curves.png when matplotlib (optional) is installed; without it, nothing and no word
+    (plot.py says how to get it). Never raises: the first problem (an unreadable log...) is said once, as a
+    note, and later ones stay silent. Returns True when the file was written."""
     global _noted
     try:
-        note = missing_matplotlib()
-        if note is None:
-            draw([read_run(out_dir)], os.path.join(out_dir, "curves.png"))
-            return True
+        if missing_matplotlib() is not None:
+            return False
+        draw([read_run(out_dir)], os.path.join(out_dir, "curves.png"))
+        return True
     except Exception as e:  # a plot is never worth a crashed run
         note = f"could not draw curves.png ({type(e).__name__}: {e})"
     if not _noted:

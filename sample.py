@@ -96,7 +96,7 @@ def main(argv=None):
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
         plan = precision.make_plan(device, args.precision, compile=False)
-        path = newest_checkpoint(args.model)  # a run's out_dir: its newest ckpt_*.pt
+        path = newest_checkpoint(args.model, warn=say)  # a run's out_dir: its newest readable ckpt_*.pt
         if path != args.model:
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, {path}")
         model = GPT.load(path, verbose=False)

@@ -25,6 +25,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+# before torch loads OpenMP: a thread waiting for the others sleeps instead of spinning, so that on a CPU
+# shared with other work a step is not held up by spinning threads (2-core CPU under load: a quickstart-shaped
+# step 2.3 s -> 0.5 s, the same as 1 thread; README "CPU threads"). OMP_WAIT_POLICY=ACTIVE keeps the spin.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -37,10 +42,10 @@ import memory
 import optim
 import plot
 import precision
-from config import asked_and_resolved, help_text, oddities, parse_args
+from config import asked_and_resolved, check_shape, help_text, oddities, parse_args
 from data import TokenLoader, shard_paths
 from distributed import DistEnv, agree
-from fileio import UserError, fail, write_json
+from fileio import UserError, fail, launcher_note, write_json
 from guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
@@ -96,21 +101,26 @@ class Run:
 
 
 def run_out_dir(cfg, given):
-    """--data without --out_dir on the command line trains in out/<the data's name>, so that your own text
-    never lands in a config file's out_dir beside another run (the quickstart's)."""
+    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
+    another run's out_dir: the config's own run, or another config's run on the same text."""
     if cfg.data and given.get("out_dir") != "cli":
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
-        return os.path.join("out", os.path.splitext(name)[0] or "data")
+        name = os.path.splitext(name)[0] or "data"
+        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
     return cfg.out_dir
 
 
-def load_model(cfg, ckpt, verbose):
-    """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a save_pretrained dir."""
+def load_model(cfg, given, ckpt, verbose):
+    """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a save_pretrained dir
+    (whose shape a shape key the user set must match)."""
     if ckpt is not None:
         return GPT.from_checkpoint(ckpt)
     config = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
                        n_head=cfg.n_head, n_embd=cfg.n_embd)
-    return GPT.load(cfg.init_from, config=config, verbose=verbose)
+    model = GPT.load(cfg.init_from, config=config, verbose=verbose)
+    check_shape(cfg, given, dataclasses.asdict(model.config))
+    return model
 
 
 def extras(cfg, model, say):
@@ -185,9 +195,9 @@ def resume_point(cfg, given, env, device, lock, say):
     return out_dir, ckpt, overrides
 
 
-def place_model(cfg, ckpt, seq_len, plan, env, say):
+def place_model(cfg, given, ckpt, seq_len, plan, env, say):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot do)."""
-    raw_model = load_model(cfg, ckpt, verbose=env.master)
+    raw_model = load_model(cfg, given, ckpt, verbose=env.master)
     raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, "
@@ -214,6 +224,8 @@ def setup(cfg, given, env, say, lock):
     precision.set_tf32(plan.tf32)
     where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})" if plan.capability else device
     say(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
+    if precision.cpu_note(plan):
+        say(precision.cpu_note(plan))
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
@@ -230,7 +242,7 @@ def setup(cfg, given, env, say, lock):
     # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
         data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, value("seq_len"),
-                                env.world_size * cfg.micro_batch_size, build=env.master)
+                                env.world_size * cfg.micro_batch_size, build=env.master, text_column=cfg.text_column)
         for split in ("train", "val"):
             shard_paths(data_dir, split)  # (one line if not)
         return data_dir
@@ -238,7 +250,7 @@ def setup(cfg, given, env, say, lock):
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(value("seed"))
-    raw_model, off = place_model(cfg, ckpt, value("seq_len"), plan, env, say)
+    raw_model, off = place_model(cfg, given, ckpt, value("seq_len"), plan, env, say)
     optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"),
                                         weight_decay=value("weight_decay"),
                                         muon_lr=value("muon_lr"), muon_momentum=value("muon_momentum"),
@@ -259,6 +271,10 @@ def setup(cfg, given, env, say, lock):
                                cfg.shuffle, value("seed"))
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                              shuffle=False) if cfg.eval_interval > 0 else None
+    if val_loader is not None and cfg.val_steps * B * env.world_size > val_loader.n_rows:
+        say(f"note: val_steps={cfg.val_steps} reads {cfg.val_steps * B * env.world_size} rows of {T} + 1 tokens, the "
+            f"val split holds {val_loader.n_rows}: some rows count twice in the val loss; "
+            f"--val_steps={max(1, val_loader.n_rows // (B * env.world_size))} reads each at most once")
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
         say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
@@ -266,6 +282,7 @@ def setup(cfg, given, env, say, lock):
     # what the run resolved, beside what was asked (the model decides its shape)
     decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
                    out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
+                   **({"data_source": "fineweb"} if cfg.data else {}),  # --data's cache: fineweb.py's shards
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
                    micro_batch_size=B, seq_len=T, auto_micro_batch=False)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
@@ -440,7 +457,7 @@ def periodic(run, step, last, say, runlog, progress):
         runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
     evals = due(cfg.eval_interval) or run.hellaswag and due(cfg.hellaswag_interval)
     if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
-        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png; a note once if matplotlib is missing, never a crash
+        plot.refresh(cfg.out_dir, say)  # out_dir/curves.png when matplotlib is installed; never a crash
         progress.plotted_at = time.time()
     if run.env.master and step > 0 and due(cfg.sample_interval):
         for text in sample(run):
@@ -498,6 +515,7 @@ def main(argv):
     except Diverged as e:
         if env.master:
             print(f"error: {e}", file=sys.stderr)
+        launcher_note(f"error: {e}")
         return 3
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):

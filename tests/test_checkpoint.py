@@ -116,11 +116,25 @@ def test_prune_keeps_the_newest_and_what_is_above_the_step(tmp_path, keep_last, 
     """Once ckpt_10 is in place: the older ones beyond keep_last go, and a killed save's .tmp; ckpt_12 (above
     the step: one resume skipped as unreadable) is not this run's to delete."""
     for step in (2, 4, 6, 8, 10, 12):
-        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
+        torch.save({"step": step}, tmp_path / f"ckpt_{step:06d}.pt")
     (tmp_path / "ckpt_000011.pt.tmp").write_bytes(b"")
     (tmp_path / "notes.txt").write_text("mine")
     checkpoint.prune_checkpoints(str(tmp_path), 10, keep_last)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{s:06d}.pt" for s in left] + ["notes.txt"]
+
+
+@pytest.mark.parametrize("keep_last,kept", [(2, [5]), (1, []), (3, [2, 5]), (0, [2, 5])])
+def test_prune_never_counts_an_unreadable_checkpoint(tmp_path, keep_last, kept):
+    """ckpt_6 was cut short (resume skipped it) and ckpt_8 is empty: neither is one of the keep_last kept,
+    and neither is deleted; the newest readable older ones stay (issue 31: keep_last=2 deleted ckpt_5)."""
+    for step in (2, 5, 6, 9):
+        torch.save({"step": step, "model": torch.zeros(1000)}, tmp_path / f"ckpt_{step:06d}.pt")
+    data = (tmp_path / "ckpt_000006.pt").read_bytes()
+    (tmp_path / "ckpt_000006.pt").write_bytes(data[:len(data) // 2])
+    (tmp_path / "ckpt_000008.pt").write_bytes(b"")
+    checkpoint.prune_checkpoints(str(tmp_path), 9, keep_last)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt_{s:06d}.pt" for s in sorted(kept + [6, 8, 9])]
+
 
 # -----------------------------------------------------------------------------
 # RNG state and the finite check

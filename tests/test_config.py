@@ -40,7 +40,7 @@ def test_config_file_then_override(tmp_path):
     path.write_text("import math\nn_layer = 3\nmax_lr = 1\n_private = 5\nseq_len = 2 ** 8\n")
     cfg, given = parse_args([str(path), "--n_layer=5", "--resume=True", "--min_lr=1e-5"])
     assert (cfg.n_layer, cfg.max_lr, cfg.seq_len, cfg.resume, cfg.min_lr) == (5, 1.0, 256, "true", 1e-5)
-    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": "file", "seq_len": "file",
+    assert isinstance(cfg.max_lr, float) and given == {"n_layer": "cli", "max_lr": str(path), "seq_len": str(path),
                                                        "resume": "cli", "min_lr": "cli"}
 
 # -----------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_micro_batch_size_auto_is_its_own_boolean(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("micro_batch_size = 'auto'\n")
     cfg, given = parse_args([str(path)])
-    assert cfg.auto_micro_batch is True and given["auto_micro_batch"] == "file"
+    assert cfg.auto_micro_batch is True and given["auto_micro_batch"] == str(path)
     cfg, _ = parse_args([str(path), "--micro_batch_size=8"])
     assert (cfg.auto_micro_batch, cfg.micro_batch_size) == (False, 8)
     assert parse_args([])[0].auto_micro_batch is False

@@ -13,6 +13,7 @@ import torch
 
 import data
 from data import TokenLoader
+from conftest import one_line
 from fileio import UserError
 from tokenizer import EOT, get_encoding
 
@@ -159,13 +160,11 @@ def test_too_little_data(shards):
         TokenLoader(shards, "val", 5, 10, world_size=2)
 
 
-def test_tokens_beyond_vocab_checked_once_a_shard(shards):
-    loader = TokenLoader(shards, "train", 2, T, vocab_size=64, shuffle=False)
-    loader.next_batch()  # shard 1 (tokens 0..36) is fine
-    assert loader.checked == {0}
+def test_tokens_beyond_vocab_checked_at_start_up(shards):
+    """Before the first batch (issue 31: the scan ran inside the training loop, ~0.1-2 s a shard on first use)."""
     with pytest.raises(UserError, match="edufineweb_train_000002.npy holds token id 86 but vocab_size is 64"):
-        for _ in range(10):
-            loader.next_batch()
+        TokenLoader(shards, "train", 2, T, vocab_size=64, shuffle=False)
+    TokenLoader(shards, "train", 2, T, vocab_size=sum(SIZES), shuffle=False)  # (the toy shards count 0, 1, ...)
 
 # -----------------------------------------------------------------------------
 # --data: your own text, tokenized once into a cache
@@ -302,3 +301,94 @@ def test_a_stale_cache_holding_foreign_files_is_left_alone(tmp_path):
     with pytest.raises(UserError, match="holds files this trainer did not write"):
         data.prepare_own_text(str(book), str(cache), 32, rows=4)
     assert (cache / "mine.txt").read_text() == "keep me"
+
+
+def test_text_column_is_an_option_of_the_trainer(tmp_path, monkeypatch, capsys):
+    """Issue 31: a .jsonl without a "text" field said "pass --text_column", which the trainer refused as an
+    unknown key. It is the trainer's key now, for .jsonl and .parquet alike; a cache made from another column
+    is made again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from train_gpt2 import main
+    monkeypatch.chdir(tmp_path)
+    chapters = BOOK.split("\n\n")
+    with open("book.jsonl", "w") as f:
+        f.writelines(json.dumps({"body": c, "text": "not this"}) + "\n" for c in chapters)
+    pq.write_table(pa.table({"body": chapters}), "book.parquet")
+    small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--seq_len=32", "--micro_batch_size=2",
+             "--total_batch_size=64", "--max_steps=1", "--eval_interval=0", "--hellaswag_interval=0",
+             "--sample_interval=0"]
+    assert main(["--data=book.parquet", *small]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "has no column 'text' (columns: body); pass --text_column=NAME" in line
+    for name in ("book.parquet", "book.jsonl"):
+        assert main([f"--data={name}", "--text_column=body", f"--out_dir=out/{name}", *small]) == 0
+        cache = json.load(open(os.path.join("out", name, "config.json")))["resolved"]["data_dir"]
+        loader = TokenLoader(cache, "train", 2, 32, shuffle=False)
+        text = get_encoding().decode(np.concatenate(loader.shards).tolist())
+        assert "stormy" in text and "not this" not in text
+
+
+def small_build(tmp_path):
+    """A fineweb.py folder of several shards (with its manifest) from a local text."""
+    import fineweb
+    (tmp_path / "book.txt").write_text(BOOK)
+    out = str(tmp_path / "shards")
+    fineweb.build(fineweb.parse_args(["--source", str(tmp_path / "book.txt"), "--out_dir", out, "--prefix", "book",
+                                      "--shard_size", "8000", "--val_fraction", "0.1", "--num_proc", "1"]))
+    return out
+
+
+def test_the_manifest_holds_each_shards_largest_token_and_the_loader_reads_it(tmp_path):
+    """fineweb.py's build writes max_token per shard; the trainer's vocab check reads it instead of scanning."""
+    out = small_build(tmp_path)
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert all(s["max_token"] == int(np.load(os.path.join(out, s["name"])).max()) for s in manifest["shards"])
+    TokenLoader(out, "train", 2, 32, vocab_size=50304)
+    manifest["shards"][1]["max_token"] = 60000  # what the manifest says is what is checked: no scan
+    json.dump(manifest, open(os.path.join(out, "manifest.json"), "w"))
+    with pytest.raises(UserError, match=f"{manifest['shards'][1]['name']} holds token id 60000 but vocab_size"):
+        TokenLoader(out, "train", 2, 32, vocab_size=50304)
+
+
+def test_a_missing_or_cut_shard_is_named_at_start_up_with_the_repair(tmp_path, capsys):
+    """Issue 31: a data_dir missing a shard its manifest lists (a partial copy) trained on the rest, exit 0; a
+    resume then said "data order differs" without naming the file."""
+    from train_gpt2 import main
+    out = small_build(tmp_path)
+    names = sorted(f for f in os.listdir(out) if "train" in f)
+    args = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--seq_len=32", "--micro_batch_size=2",
+            "--total_batch_size=64", "--max_steps=2", "--eval_interval=0", "--hellaswag_interval=0",
+            "--sample_interval=0", f"--data_dir={out}", "--resume=auto"]
+    run = str(tmp_path / "run")
+    assert main([*args, f"--out_dir={run}"]) == 0
+    os.remove(os.path.join(out, names[1]))
+    assert main([*args, f"--out_dir={run}", "--max_steps=3"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: data_dir {out!r}: {names[1]} is missing, listed in its manifest.json: copy it "
+                           "again if data_dir is a copy, or run the command that made it again")
+    assert line.endswith(f"python fineweb.py --source {tmp_path / 'book.txt'} --prefix book --shard_size 8000 "
+                         f"--val_fraction 0.1 --out_dir {out}")
+    data = open(os.path.join(out, names[2]), "rb").read()
+    open(os.path.join(out, names[1]), "wb").write(data[:100])  # cut short
+    assert main([*args, f"--out_dir={tmp_path / 'fresh'}"]) == 2
+    assert f"{names[1]} is not a readable .npy" in one_line(capsys.readouterr().err)
+    state = torch.load(os.path.join(run, "ckpt_000002.pt"), weights_only=True)["loader"]
+    os.remove(os.path.join(out, names[1]))
+    with pytest.raises(UserError, match=f"not here: {names[1]}"):  # the loader's own refusal names what is gone
+        TokenLoader(out, "train", 2, 32).load_state_dict(state)
+
+
+def test_a_deleted_shard_in_a_data_cache_is_made_again(tmp_path, capsys):
+    """Issue 31: the --data cache was reused with a shard deleted, then refused with advice that also failed."""
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK)
+    cache = str(tmp_path / "cache")
+    data.prepare_own_text(str(book), cache, 32, rows=4)
+    made = {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache) if f.endswith(".npy")}
+    gone = sorted(made)[-1]
+    os.remove(os.path.join(cache, gone))
+    capsys.readouterr()
+    data.prepare_own_text(str(book), cache, 32, rows=4)
+    assert f"{gone} is missing: tokenizing {book} again" in capsys.readouterr().out
+    assert made == {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache) if f.endswith(".npy")}

@@ -296,8 +296,12 @@ def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
     assert memory.choose_micro_batch(model, [opt], cpu, 4, 32, 4096, world_size=2) == (4, 32, "", None)
     b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, 16, 32, 4096, world_size=2, auto=True)
     assert (b, t, timed) == (16, 32, None) and "micro_batch_size=auto needs CUDA; on cpu" in why
-    with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):
-        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096)  # 4096 / 1536 = 2.7: 3 x 1536 suggested
+    with pytest.raises(UserError, match=r"x 1 = 1536: --micro_batch_size=32 keeps 4,096 tokens per step \(or "
+                                        r"--total_batch_size=4608 makes it 4,608\)$"):  # 4096 / 1536 = 2.7
+        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096, fit=False)
+    assert memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096)[0] == 32  # left to its default: what divides
+    with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):  # no micro-batch divides
+        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4100)
     with pytest.raises(UserError, match="^micro_batch_size=auto: total_batch_size 4096 is not divisible"):
         memory.choose_micro_batch(model, [opt], cpu, 12, 32, 4096, auto=True)
 
@@ -313,7 +317,7 @@ def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
 def test_out_of_memory_is_one_line_with_what_ran_out_and_what_to_try(error, device_type, batch, expect):
     line = memory.out_of_memory_message(error, device_type, *(batch or ()))
     assert line.startswith(expect) and "\n" not in line
-    assert ("--micro_batch_size=auto" in line) == (batch is not None)
+    assert ("--micro_batch_size=auto" in line) == (device_type == "cuda")  # on CPU auto keeps the same micro-batch
 
 # -----------------------------------------------------------------------------
 # the loss-chunk rows: the device's, decided at every start-up, never a checkpoint's

@@ -149,3 +149,180 @@ def test_a_too_small_data_file_leaves_nothing_behind(tmp_path, monkeypatch, caps
     assert train_gpt2.main(argv) == 2
     assert "val split is" in one_line(capsys.readouterr().err)
     assert os.listdir(tmp_path) == ["short.txt"]
+
+# -----------------------------------------------------------------------------
+# issue 31: nothing the user asked ignored
+
+
+QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
+
+
+def test_a_shape_flag_under_init_from_must_match_the_weights(data_dir, hf_dir, tmp_path, capsys):
+    """--init_from=<save_pretrained dir> --n_layer=8 trained the directory's 2-layer model, exit 0, no word."""
+    base = tiny_args(data_dir, str(tmp_path / "run"), n_layer=None, n_head=None, n_embd=None, block_size=None,
+                     vocab_size=None, max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert train_gpt2.main([*base, f"--init_from={hf_dir}", "--n_layer=8"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "n_layer=8 (the weights: 2)" in line and "drop --n_layer" in line
+    assert not os.path.exists(tmp_path / "run")
+    assert train_gpt2.main([*base, f"--init_from={hf_dir}", "--n_layer=2", "--vocab_size=50257"]) == 0  # as they are
+
+
+def test_a_config_files_shape_keys_under_init_from_must_match_the_weights(data_dir, hf_dir, tmp_path, capsys):
+    """The quickstart's n_layer and vocab_size were dropped under --init_from without a word; --help
+    says what a config file's shape keys mean there."""
+    argv = [QUICKSTART, f"--init_from={hf_dir}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}"]
+    assert train_gpt2.main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {QUICKSTART} sets n_layer=4 (the weights: 2), vocab_size=50304 (the weights: "
+                           "50257), but init_from=")  # (n_head, n_embd and block_size match this small GPT-2)
+    assert "a config for init_from leaves n_layer, vocab_size out" in line
+    assert "init_from not scratch: its weights set the shape" in config.help_text()
+
+
+def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_recipe():
+    """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
+    names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
+    from conftest import tiny_model_and_optimizer
+    from memory import choose_micro_batch
+    from precision import make_plan
+    model, optimizer = tiny_model_and_optimizer()
+    with pytest.raises(UserError) as e:
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=False)
+    assert str(e.value).endswith(": --micro_batch_size=4 keeps 1,024 tokens per step (or --total_batch_size=2048 "
+                                 "makes it 2,048)")
+    B, T, why, _ = choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=True)
+    assert (B, T) == (4, 128) and why.startswith("micro_batch_size=4: the largest up to 8")
+    with pytest.raises(UserError, match=r"= 2048: e\.g\. --total_batch_size=2048$"):  # no micro-batch keeps 1,000
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1000, world_size=2, fit=True)
+
+
+def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(monkeypatch):
+    """Issue 31: on a 23 GB machine the 124M config's 64 x 1024 step (~60 GB by our own estimate) was never
+    warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
+    Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
+    about with the micro-batch that fits; the OOM line on CPU names a smaller micro-batch, not auto."""
+    import memory
+    from model import GPT, GPTConfig
+    from precision import make_plan
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
+    plan, said = make_plan("cpu"), []
+    need = lambda b: memory.training_bytes_estimate(model.config, b, 1024, device_type="cpu")  # noqa: E731
+    ram = sum(need(8).values()) + 1  # 8 x 1024 fits, 16 x 1024 does not
+    monkeypatch.setattr(memory, "available_ram", lambda: ram)
+    B, T, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)
+    assert (B, T) == (8, 1024) and why.startswith("micro-batch fitted to the free RAM: 64 x 1024 needs ~") and not said
+    assert "8 x 1024 (~" in why and "grad_accum 64 keeps total_batch_size 524288" in why
+    B, _, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=False, warn=said.append)
+    assert B == 64 and why == "" and len(said) == 1
+    assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
+    monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
+    assert memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)[0] == 64
+    line = memory.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
+    assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
+
+
+def test_sample_and_hellaswag_skip_a_run_folders_unreadable_newest_checkpoint(run_dir, tmp_path, capsys):
+    """Issue 31: on a run folder whose newest checkpoint is cut short they took it and stopped, where the trainer
+    skips it: now they take the newest readable one (ckpt_000003), with the trainer's warning naming the other."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    data = open(run / "ckpt_000003.pt", "rb").read()
+    open(run / "ckpt_000009.pt", "wb").write(data[:len(data) // 2])
+    argv = ["--device", "cpu", "--prompt", "Hello", "--max_new_tokens", "5", "--temperature", "0"]
+    assert sample.main(["--model", os.path.join(run_dir, "ckpt_000003.pt"), *argv]) == 0
+    expect = capsys.readouterr().out
+    assert sample.main(["--model", str(run), *argv]) == 0
+    got = capsys.readouterr()
+    assert got.out == expect and f"warning: skipping {run / 'ckpt_000009.pt'}: not a readable checkpoint" in got.err
+    assert f"sampling from its newest checkpoint, {run / 'ckpt_000003.pt'}" in got.err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW) + "\n")
+    assert hellaswag.main(["--model", str(run), "--data", str(rows), "--device", "cpu"]) == 0
+    assert f"model: {run / 'ckpt_000003.pt'} (the newest checkpoint in the run folder" in capsys.readouterr().out
+
+
+def test_silent_choices_are_said(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 31: --data=<folder> skipped .csv, .png and extensionless files without naming them; --precision=fp16
+    on CPU was taken without a note (and runs far slower there)."""
+    import data
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("alpha")
+    (folder / "table.csv").write_text("x,y\n")
+    (folder / "sub" / "plot.png").write_bytes(b"\x89PNG")
+    (folder / "NOTES").write_text("no extension")
+    (folder / ".hidden.csv").write_text("hidden: not named")
+    assert data.source_files(str(folder)) == [str(folder / "a.txt")]
+    said = capsys.readouterr().out
+    assert said.strip() == (f"data: skipping 3 file(s) in {folder} that are not .txt, .md, .py, .jsonl, .json or "
+                            f".parquet: NOTES, table.csv, {os.path.join('sub', 'plot.png')}")
+    run = lambda prec: train_gpt2.main(tiny_args(data_dir, str(tmp_path / prec), max_steps=1, eval_interval=0,  # noqa
+                                                 checkpoint_interval=0, device="cpu", precision=prec))
+    assert run("fp16") == 0
+    assert "note: precision=fp16 on CPU runs far slower than fp32" in capsys.readouterr().out
+    assert run("fp32") == 0
+    assert "note: precision" not in capsys.readouterr().out
+
+
+def test_the_trainer_lets_waiting_cpu_threads_sleep():
+    """Issue 31: with the default thread count, quickstart steps took ~6 s on a shared 2-core machine, ~0.5 s with
+    one thread: OpenMP's threads spin while they wait for a peer the OS has descheduled. The trainer sets
+    OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (measured in the commit and the README), unless the user
+    set it."""
+    import subprocess
+    import sys
+    code = "import os, train_gpt2, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads() > 0)"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["PASSIVE", "True"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["ACTIVE", "True"], out.stderr
+
+
+def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 31's cosmetic items: a skip warning cut mid-word ("This is an interna"); the --data cache's temp
+    folder printed; "data_source": "python" in a --data run's config; val rows read twice without a word; a
+    read-only out_dir exiting 1 (the machine's failure) rather than 2 (the user's to fix)."""
+    import checkpoint
+    bad = tmp_path / "ckpts"
+    bad.mkdir()
+    (bad / "ckpt_000004.pt").write_bytes(b"PK\x03\x04" + b"x" * 300)  # a zip's magic, then nothing a zip holds
+    warnings = []
+    checkpoint.latest_checkpoint(str(bad), warn=warnings.append)
+    why = warnings[0].split("not a readable checkpoint (RuntimeError: ", 1)[1]
+    assert why.startswith("PytorchStreamReader failed reading zip archive") and why.endswith(" ...)"), why
+    words = why[:-len(" ...)")].split()  # torch's words up to a whole one: never "This is an interna"
+    assert " ".join(words) in "PytorchStreamReader failed reading zip archive: failed finding central directory. " \
+        "This is an internal miniz error. If you are seeing this error, there is a high likelihood" and \
+        words[-1] in ("internal", "miniz", "error.", "If", "you", "are", "seeing", "this", "error,", "there", "is"), why
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_book.txt").write_text("Once upon a time there was a long story that went on. " * 2000)
+    argv = [QUICKSTART, "--data=my_book.txt", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+            "--seq_len=32", "--micro_batch_size=2", "--total_batch_size=64", "--max_steps=1", "--eval_interval=1",
+            "--val_steps=500", "--sample_interval=0"]
+    assert train_gpt2.main(argv) == 0
+    out = capsys.readouterr().out
+    cache = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]["data_dir"]
+    wrote = [line for line in out.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 1 and wrote[0].endswith(f"tokens) to {cache}"), out  # the cache's name, not its temp's
+    notes = [line for line in out.splitlines() if line.startswith("note: val_steps=500 reads 1000 rows")]
+    assert len(notes) == 1 and "some rows count twice in the val loss" in notes[0], out
+    resolved = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]
+    assert resolved["data_source"] == "fineweb" and "data_cache" in resolved["data_dir"]
+
+    import errno
+    real_makedirs = os.makedirs
+
+    def read_only(path, *a, **k):  # a read-only file system (root writes into a chmod 555 folder anyway)
+        if "readonly" in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_makedirs(path, *a, **k)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "readonly" / "run"), max_steps=1)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "Read-only file system; choose a folder you can write to, or change its permissions" in line

@@ -242,8 +242,8 @@ SMALL = ["--max_steps=4", "--warmup_steps=1", "--micro_batch_size=2", "--seq_len
 
 def test_the_readmes_own_text_line_trains_right_after_the_quickstart(data_dir, tmp_path):
     """The issue's case: after a finished quickstart in its default out_dir, `python train_gpt2.py
-    configs/quickstart.py --data=my_book.txt` trains (into out/my_book), where it said 'nothing to do'. A finished
-    run is found before any tokenizing; a checkpoint trained on other data gets one line with the ways on."""
+    configs/quickstart.py --data=my_book.txt` trains (into out/quickstart-my_book), where it said 'nothing to do'. A
+    finished run is found before any tokenizing; a checkpoint trained on other data gets one line with the ways on."""
     config, data = readme_own_text_command()
     assert config == "configs/quickstart.py" and data == "--data=my_book.txt"
     book(tmp_path / "my_book.txt")
@@ -254,9 +254,9 @@ def test_the_readmes_own_text_line_trains_right_after_the_quickstart(data_dir, t
 
     code, out, err = trainer([QUICKSTART, data, *SMALL], cwd=tmp_path)  # the README's line (smaller steps)
     assert code == 0, err
-    mine = tmp_path / "out" / "my_book"
-    assert "tokenizing" in out and f"saved {os.path.join('out', 'my_book', 'ckpt_000004.pt')}" in out, out
-    assert json.load(open(mine / "config.json"))["resolved"]["out_dir"] == os.path.join("out", "my_book")
+    mine = tmp_path / "out" / "quickstart-my_book"
+    assert "tokenizing" in out and f"saved {os.path.join('out', 'quickstart-my_book', 'ckpt_000004.pt')}" in out, out
+    assert json.load(open(mine / "config.json"))["resolved"]["out_dir"] == os.path.join("out", "quickstart-my_book")
     assert [r["step"] for r in read_log(mine) if "loss" in r] == [0, 1, 2, 3]
     assert files(tmp_path / quickstart) == finished  # the quickstart's run as it was
     cache = [d for d in os.listdir(tmp_path / "out" / "data_cache") if d.startswith("my_book.txt-")]
@@ -278,6 +278,27 @@ def test_the_readmes_own_text_line_trains_right_after_the_quickstart(data_dir, t
     code, out, err = trainer([QUICKSTART, data, f"--init_from={ckpt}", "--out_dir=out/from_quickstart", *SMALL],
                              cwd=tmp_path)  # what the line offers works
     assert code == 0 and os.path.exists(tmp_path / "out" / "from_quickstart" / "ckpt_000004.pt"), err
+
+
+def test_another_configs_run_on_the_same_text_goes_to_its_own_out_dir(data_dir, hf_dir, tmp_path):
+    """Issue 31: every config's --data run went to out/<text name>, so `configs/finetune_gpt2.py
+    --data=my_book.txt` after the quickstart's was refused, told to "drop init_from", which the user never typed
+    (the config file sets it). Now each config's run on a text has its own out_dir (<its out_dir>-<text name>),
+    and a refusal over a key a config file set names the file."""
+    text = book(tmp_path / "my_book.txt")
+    finetune = tmp_path / "finetune.py"  # configs/finetune_gpt2.py's shape of config, offline: a save_pretrained dir
+    finetune.write_text(f"init_from = {hf_dir!r}\nout_dir = 'out/finetune'\nresume = 'auto'\n")
+    common = ["--max_steps=2", "--micro_batch_size=2", "--seq_len=16", "--total_batch_size=32", "--eval_interval=0",
+              "--sample_interval=0", "--hellaswag_interval=0", f"--data={text}"]
+    code, out, err = trainer([QUICKSTART, *common], cwd=tmp_path)
+    assert code == 0 and os.path.exists(tmp_path / "out" / "quickstart-my_book" / "ckpt_000002.pt"), err
+    code, out, err = trainer([str(finetune), *common], cwd=tmp_path)
+    assert code == 0 and os.path.exists(tmp_path / "out" / "finetune-my_book" / "ckpt_000002.pt"), err
+    assert sorted(os.listdir(tmp_path / "out")) == ["data_cache", "finetune-my_book", "quickstart-my_book"]
+    code, out, err = trainer([str(finetune), *common, "--out_dir=out/quickstart-my_book"], cwd=tmp_path)
+    line = one_line(err)
+    assert code == 2 and f"holds a run with init_from='scratch', not {hf_dir!r} as asked: choose another --out_dir " \
+        f"for a new run ({finetune} sets it)" in line, line
 
 
 def test_a_bigger_seq_len_run_leaves_the_val_split_as_the_text_made_it(tmp_path):
@@ -328,7 +349,7 @@ def test_an_injected_cuda_out_of_memory_is_one_line(data_dir, tmp_path, monkeypa
                                 resume="auto")) == 1
     line = one_line(capsys.readouterr().err)
     assert line == ("error: out of GPU memory at micro-batch 2 x 16 (grad_accum 2): try --micro_batch_size=auto, "
-                    "a smaller --micro_batch_size (total_batch_size stays, by more accumulation steps) or "
+                    "a smaller --micro_batch_size (e.g. 1; total_batch_size stays, by more accumulation steps) or "
                     "--activation_checkpointing=blocks"), line
     assert steps == ["cuda:0"]  # raised by the first training step, on the CUDA plan
     assert {k: v for k, v in files(out).items() if k.startswith("ckpt_")} == \
@@ -348,9 +369,9 @@ def test_a_real_cpu_allocation_failure_is_one_line(data_dir, tmp_path):
                 micro_batch_size=8, total_batch_size=1024, max_steps=2, eval_interval=0, checkpoint_interval=0)
     code, out, err = trainer(args, address_space=8 * 2**30)
     line = one_line(err)
-    assert code == 1 and line == ("error: out of CPU RAM at micro-batch 8 x 128 (grad_accum 1): try "
-                                  "--micro_batch_size=auto, a smaller --micro_batch_size (total_batch_size stays, by "
-                                  "more accumulation steps) or --activation_checkpointing=blocks"), err
+    assert code == 1 and line == ("error: out of CPU RAM at micro-batch 8 x 128 (grad_accum 1): try a smaller "
+                                  "--micro_batch_size (e.g. 4; total_batch_size stays, by more accumulation steps) "
+                                  "or --activation_checkpointing=blocks"), err  # (not auto: on CPU it is the same)
     assert "parameters | 1,024 tokens per step" in out, out  # it was set up, the failure came in training
 
 # -----------------------------------------------------------------------------

@@ -111,12 +111,23 @@ def test_without_matplotlib_the_cli_says_how_to_install(tmp_path, capsys, no_mat
     assert not os.path.exists(os.path.join(a, "curves.png"))
 
 
-def test_refresh_notes_once_and_never_raises(tmp_path, no_matplotlib):
+def test_refresh_is_silent_without_matplotlib(tmp_path, no_matplotlib):
+    """Issue 31: the trainer's "matplotlib not installed" note showed in the README's first run (matplotlib is
+    optional: requirements-dev.txt); without it the trainer writes no curves.png and says nothing."""
     a = make_run(tmp_path / "a", synthetic_rows())
     notes = []
     assert plot.refresh(a, notes.append) is False
-    assert plot.refresh(a, notes.append) is False
-    assert len(notes) == 1 and "pip install matplotlib" in notes[0] and notes[0].startswith("note: ")
+    assert notes == [] and not os.path.exists(os.path.join(a, "curves.png"))
+
+
+def test_the_train_curve_is_labelled_smoothed_only_when_it_is():
+    """Issue 31: under 200 steps the curve was drawn raw (a span of 1) and labelled "(smoothed)"."""
+    short, long = [float(i % 7) for i in range(150)], [float(i % 7) for i in range(1000)]
+    assert plot.train_lines(short) == [(short, {}, "train")]
+    (raw, faint, none), (smoothed, solid, label) = plot.train_lines(long)
+    assert raw == long and none is None and faint["alpha"] < 1 and solid == {}
+    assert smoothed == plot.smooth(long, 10) and smoothed != long and label == "train (smoothed, 10 steps)"
+    assert plot.train_lines([]) == []
 
 
 def test_refresh_survives_a_broken_run_dir(tmp_path, monkeypatch):

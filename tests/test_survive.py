@@ -228,6 +228,31 @@ def test_second_signal_while_saving_leaves_no_broken_file(data_dir, tmp_path, mo
     assert load_ckpt(os.path.join(out, "ckpt_000004.pt"))["step"] == 4
 
 
+def test_keep_last_after_a_truncated_checkpoint_keeps_the_readable_ones(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 31's reproduction: Ctrl-C after 2 and then 6 steps, ckpt_000006.pt cut to half its size (a copy
+    killed), resume=auto and Ctrl-C twice more. The truncated file is skipped, never counted among keep_last's
+    two: the readable ckpt_000005.pt stays beside ckpt_000009.pt (it was deleted, with ckpt_000002.pt)."""
+    out = str(tmp_path / "run")
+    run = lambda: main(args(data_dir, out, max_steps=60, resume="auto", keep_last=2))  # noqa: E731
+    signal_at(monkeypatch, {1})  # during step 1: saves ckpt_000002
+    assert run() == 130
+    signal_at(monkeypatch, {3})  # steps 2..5: saves ckpt_000006
+    assert run() == 130
+    assert ckpts(out) == ["ckpt_000002.pt", "ckpt_000006.pt"]
+    broken = os.path.join(out, "ckpt_000006.pt")
+    data = open(broken, "rb").read()
+    open(broken, "wb").write(data[:len(data) // 2])
+    capsys.readouterr()
+    signal_at(monkeypatch, {2})  # from ckpt_000002, steps 2..4: saves ckpt_000005
+    assert run() == 130
+    assert f"warning: skipping {broken}: not a readable checkpoint" in capsys.readouterr().out
+    signal_at(monkeypatch, {3})  # from ckpt_000005, steps 5..8: saves ckpt_000009
+    assert run() == 130
+    assert ckpts(out) == ["ckpt_000005.pt", "ckpt_000006.pt", "ckpt_000009.pt"]
+    assert [load_ckpt(os.path.join(out, f))["step"] for f in ("ckpt_000005.pt", "ckpt_000009.pt")] == [5, 9]
+    assert open(broken, "rb").read() == data[:len(data) // 2]  # the user's file, as it was
+
+
 def test_time_limit_stops_in_time_and_resumes(data_dir, tmp_path, capsys):
     out, limit = str(tmp_path / "run"), 0.05  # minutes: 3 s
     t = time.time()

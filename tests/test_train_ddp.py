@@ -105,3 +105,31 @@ def test_data_prep_longer_than_dist_timeout_is_waited_for(tmp_path):
     with Launched([cmd], tmp_path, env=torchrun_env()) as run:
         assert run.wait(timeout=120) == [0], run.logs()
     assert sorted(step_losses(str(tmp_path / "out"))) == [0, 1]
+
+
+def test_two_ranks_take_the_micro_batch_that_keeps_the_tokens_per_step(tmp_path):
+    """Issue 31: torchrun on the quickstart was refused with "e.g. --total_batch_size=2048" (double the tokens
+    per step) under torchrun's traceback. Left at its default, the micro-batch is now the largest that keeps
+    total_batch_size (2 ranks: 2 rows each where 1 process takes 4), and the losses equal one process's; set
+    too large for 2 ranks, the refusal names the micro-batch that keeps the step, and torchrun's failure
+    summary, printed last, shows that line."""
+    data = write_shards(str(tmp_path / "data"))
+    common = dict(micro_batch_size=None, max_steps=3, eval_interval=0, checkpoint_interval=0)
+    one = str(tmp_path / "one")
+    assert main(tiny_args(data, one, **common)) == 0
+    two = str(tmp_path / "two")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
+    with Launched([cmd + tiny_args(data, two, **common)], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=180) == [0], run.logs()
+        assert "micro_batch_size=2: the largest up to 64 whose 2 x 16 x 2 rank(s) divides total_batch_size=64" \
+            in run.logs()
+    a, b = step_losses(one), step_losses(two)
+    assert sorted(a) == sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
+
+    refused = cmd + tiny_args(data, str(tmp_path / "refused"), micro_batch_size=4)
+    with Launched([refused], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=180) != [0]
+        line = ("error: total_batch_size=64 is not a multiple of micro_batch_size x seq_len x world_size = 4 x 16 x 2 "
+                "= 128: --micro_batch_size=2 keeps 64 tokens per step (or --total_batch_size=128 makes it 128)")
+        tail = run.logs().strip().splitlines()[-12:]  # torchrun's summary box, last
+        assert any(line in t for t in tail), run.logs()
