@@ -67,7 +67,7 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. A checkpointed
     layer keeps only its fp32 input (BTC). The head keeps ln_f's input and statistics and the position
     ids, and then either (loss_impl="full") lm_head's input, cross-entropy's fp32 log-softmax (B, T, V)
-    and the logits it returns, or (chunked) dL/dh (BTC, fp32) and dL/dlm_head (V x C, fp32).
+    and the logits it returns, or (chunked) dL/dh (BTC, fp32), dL/dlm_head (V x C, fp32) and n_valid (fp32).
     Autocast also keeps a copy of every matmul weight of the layers that are not checkpointed (and of
     lm_head for the full loss), except under FSDP on CUDA, where the blocks' weights are gathered in
     the autocast dtype already and freed after the forward. The batch (idx, targets) is the caller's,
@@ -83,7 +83,8 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
     full = config.loss_impl == "full"
-    head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4  # + total_weight | dL/dh, dL/dW
+    # + total_weight | dL/dh, dL/dW, n_valid
+    head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4 + 4
     # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
     block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C
     weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))

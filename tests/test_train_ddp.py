@@ -84,10 +84,10 @@ sys.path.insert(0, {root!r})
 import train_gpt2
 
 prepare = train_gpt2.data.prepare
-def slow(*args, build=True):  # rank 0 tokenizing a large --data: longer than dist_timeout
+def slow(*args, build=True, **kwargs):  # rank 0 tokenizing a large --data: longer than dist_timeout
     if build:
         time.sleep(8)
-    return prepare(*args, build=build)
+    return prepare(*args, build=build, **kwargs)
 train_gpt2.data.prepare = slow
 sys.exit(train_gpt2.main(sys.argv[1:]))
 '''
