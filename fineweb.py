@@ -49,8 +49,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from fileio import ArgumentParser, UserError, fail, replacing, write_json
-from tokenizer import EOT, get_encoding, vocab_hashes
+from gpt2train.fileio import ArgumentParser, UserError, fail, replacing, write_json
+from gpt2train.tokenizer import EOT, get_encoding, vocab_hashes
 
 EOT_TEXT = "<|endoftext|>"
 BATCH_CHARS = 1 << 20  # documents go to the workers in batches of about this many characters

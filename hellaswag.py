@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
-import precision
-from fileio import ArgumentParser, UserError, check_output_file, fail, write_json
+from gpt2train import precision
+from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, write_json
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig, newest_checkpoint
-from tokenizer import get_encoding
+from gpt2train.tokenizer import get_encoding
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fileio import UserError, fail, replacing_dir
+from gpt2train.fileio import UserError, fail, replacing_dir
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -595,7 +595,7 @@ def load_for_export(src):
 def export(src, out_dir):
     """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
     beside it and swapped in only when complete."""
-    from tokenizer import write_hf_tokenizer
+    from gpt2train.tokenizer import write_hf_tokenizer
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"OUT_DIR {out_dir} is a file: choose a new or empty OUT_DIR")
     if os.path.isdir(out_dir):
@@ -618,7 +618,7 @@ def export(src, out_dir):
 
 def export_gguf(src, out, type_name="f16"):
     """Write out, one GGUF file for llama.cpp (gguf_export.py), temp file then rename."""
-    from gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
+    from gpt2train.gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
     import_gguf()  # no gguf package, a wrong --type: said before loading anything
     check_type(type_name)
     if os.path.isdir(out):

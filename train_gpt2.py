@@ -34,19 +34,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
-import data
-import distributed
-import logger
-import memory
-import optim
+from gpt2train import checkpoint
+from gpt2train import data
+from gpt2train import distributed
+from gpt2train import logger
+from gpt2train import memory
+from gpt2train import optim
 import plot
-import precision
-from config import asked_and_resolved, check_shape, help_text, oddities, parse_args
-from data import TokenLoader, shard_paths
-from distributed import DistEnv, agree
-from fileio import UserError, fail, launcher_note, write_json
-from guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
+from gpt2train import precision
+from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
+from gpt2train.data import TokenLoader, shard_paths
+from gpt2train.distributed import DistEnv, agree
+from gpt2train.fileio import UserError, fail, launcher_note, write_json
+from gpt2train.guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s of matplotlib), and at the end
@@ -134,7 +134,7 @@ def extras(cfg, model, say):
     if why:
         say(f"note: {why}")
         return {"sample_interval": 0, "hellaswag_interval": 0}
-    from tokenizer import get_encoding
+    from gpt2train.tokenizer import get_encoding
     get_encoding()  # now, not at the first sample: a missing vocabulary is one line before any training
     return {}
 
@@ -208,7 +208,7 @@ def place_model(cfg, given, ckpt, seq_len, plan, env, say):
     off = extras(cfg, raw_model, say)
     raw_model.to(plan.device)
     if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
-        from sharding import shard_model
+        from gpt2train.sharding import shard_model
         shard_model(raw_model, plan.dtype, plan.device_type)
     return raw_model, off
 
@@ -427,7 +427,7 @@ def evaluate(run, loader):
 def sample(run):
     """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
     so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from tokenizer import get_encoding
+    from gpt2train.tokenizer import get_encoding
     cfg, device, enc = run.cfg, run.plan.device, get_encoding()
     idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
     idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)

@@ -10,7 +10,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (bench/muon.md)

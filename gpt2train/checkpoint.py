@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from config import SHAPE_KEYS as MODEL_KEYS
-from distributed import agree
-from fileio import UserError, replacing
+from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
+from gpt2train.distributed import agree
+from gpt2train.fileio import UserError, replacing
 from model import checkpoint_files, held_steps, read_checkpoint
-from sharding import full_state, load_optimizer_state
+from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",

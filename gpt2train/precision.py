@@ -1,7 +1,7 @@
 """
 Every hardware decision, in one place: which device, which GPU it is, and how to run on it.
 
-    from precision import resolve_device, make_plan, autocast
+    from gpt2train.precision import resolve_device, make_plan, autocast
     device = resolve_device("auto")                 # "cuda:0", "mps" or "cpu"; one clear error when unusable
     plan = make_plan(device, precision="auto")      # dtype, loss scaling, TF32, compile, attention kernels
     with autocast(plan):                            # the one autocast + SDPA-kernel context (all who run the model)
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)

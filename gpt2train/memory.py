@@ -16,10 +16,10 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from distributed import agree
-from fileio import UserError
+from gpt2train.distributed import agree
+from gpt2train.fileio import UserError
 from model import GPTConfig, loss_chunk_rows, loss_head_temp_bytes
-from precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
+from gpt2train.precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
 
 # -----------------------------------------------------------------------------
 # memory: what a training step holds, estimated from the model's shape

@@ -2,7 +2,7 @@
 Token shards to (B, T) batches for the trainer, and the shards it makes for itself: your own text
 (`--data=...`) and the quickstart's corpus, both tokenized by fineweb.py.
 
-    from data import TokenLoader
+    from gpt2train.data import TokenLoader
     loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, seed=1337)
     x, y = loader.next_batch()  # (B, T) int64 inputs, and their targets: the same rows one token on
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import fineweb
-from fileio import UserError, replacing_dir, write_json
+from gpt2train.fileio import UserError, replacing_dir, write_json
 
 # -----------------------------------------------------------------------------
 # shards
