@@ -20,7 +20,8 @@ import torch
 
 from gpt2train import precision
 from gpt2train.fileio import ArgumentParser, UserError, fail
-from model import GPT, newest_checkpoint
+from model import GPT
+from gpt2train.checkpoint import newest_checkpoint
 from gpt2train.tokenizer import EOT, get_encoding
 
 # -----------------------------------------------------------------------------

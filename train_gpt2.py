@@ -78,7 +78,7 @@ class Run:
     raw_model: object  # the GPT itself (FSDP-sharded in place when fsdp)
     model: object  # what evals run: compiled, or raw_model
     train_model: object  # what trains: DDP(model) under torchrun, else model
-    optimizers: list  # AdamW, or AdamW + Muon: stepped together by precision.optimizer_step
+    optimizers: list  # AdamW, or AdamW + Muon: stepped together by optim.optimizer_step
     params: list  # every trained parameter once: the one clip runs over them
     scaler: object  # torch.amp.GradScaler, enabled for fp16 only (a no-op otherwise)
     train_loader: TokenLoader
@@ -340,7 +340,7 @@ def train(run, argv, say):
         # one optimizer step
         t0 = time.time()
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # on a terminal, once a step takes > 5 s
-            loss = precision.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.plan,
+            loss = optim.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.plan,
                                                   run.scaler, run.wraps_ddp, bar)
         # after this step: stop for a signal or the time limit (too little left for a step and a save)?
         # save by the clock?
@@ -353,7 +353,7 @@ def train(run, argv, say):
             dist.all_reduce(stats)
             loss, flags = stats[0] / env.world_size, stats[1:]  # counts read with loss and norm, in one transfer
         lr = get_lr(step, cfg)
-        loss, norm, applied, counts = precision.optimizer_step(
+        loss, norm, applied, counts = optim.optimizer_step(
             run.optimizers, run.scaler, run.params, cfg.grad_clip, lr / cfg.max_lr if cfg.max_lr else 0.0, loss,
             guard.is_outlier if cfg.skip_outliers_z > 0 else None, flags)
         if env.ddp:
