@@ -1,5 +1,5 @@
 """
-Bytes per logit of the chunked loss head (model.ChunkedCrossEntropy.forward) at 124M shapes, eager against
+Bytes per logit of the chunked loss head (loss.ChunkedCrossEntropy.forward) at 124M shapes, eager against
 compiled, on the H200 plan and the sm75 plan. No GPU and no big memory: run from the project root,
 
     python bench/loss_head_traffic.py

@@ -72,7 +72,7 @@ class ByteCorpus:
 
 
 def lr_scale(step, steps, warmup, min_ratio=0.1):
-    """train_gpt2.get_lr divided by max_lr: linear warmup, cosine to min_lr = max_lr / 10 (the quickstart's ratio)."""
+    """optim.lr_multiplier with its own steps: linear warmup, cosine to min_lr = max_lr / 10 (the quickstart's)."""
     if step < warmup:
         return (step + 1) / warmup
     ratio = (step - warmup) / (steps - warmup)
