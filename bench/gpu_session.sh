@@ -100,15 +100,16 @@ part() {
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 # the stdlib shards in $DATA (the quickstart corpus, built only where missing) and their rows at seq_len 1024;
-# run by python3 -c, not from stdin: fineweb's spawned workers re-import __main__, which <stdin> cannot be
+# run by python3 -c, not from stdin: the tokenizer's spawned workers re-import __main__, which <stdin> cannot be
 SHARDS='import json, os, sys, time
-import data, fineweb
+from gpt2train import data
+from gpt2train.shards import MANIFEST
 t0 = time.time()
 data.prepare_python_corpus(sys.argv[1])
-with open(os.path.join(sys.argv[1], fineweb.MANIFEST)) as f:
-    shards = json.load(f)["shards"]
+with open(os.path.join(sys.argv[1], MANIFEST)) as f:
+    listed = json.load(f)["shards"]
 for split in ("train", "val"):
-    n = [s["tokens"] for s in shards if s["split"] == split]
+    n = [s["tokens"] for s in listed if s["split"] == split]
     print(f"{split}: {sum(n):,} tokens in {len(n)} shards, {sum((k - 1) // 1024 for k in n)} rows of seq_len 1024")
 print(f"ready in {time.time() - t0:.1f} s")'
 shards() {
@@ -251,7 +252,7 @@ if torch.cuda.is_available():
 else:
     print("gpu: none (torch.cuda.is_available() is False)")
 try:
-    import tokenizer
+    from gpt2train import tokenizer
     tokenizer.get_encoding()
     print("tokenizer: the GPT-2 vocabulary is installed")
 except Exception as e:  # noqa: BLE001

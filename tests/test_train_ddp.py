@@ -46,7 +46,7 @@ import train_gpt2
 reads, marks = [0], []
 for name in ("item", "tolist"):  # every read of a tensor's values into Python by the project's code
     def counted(self, *a, _orig=getattr(torch.Tensor, name), **k):  # (not torch's: CPU AdamW reads its step counts)
-        reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) == {root!r}
+        reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) in ({root!r}, {root!r} + '/gpt2train')
         return _orig(self, *a, **k)
     setattr(torch.Tensor, name, counted)
 accumulate = optim.accumulate_gradients
