@@ -20,7 +20,7 @@ that cannot apply on the device are printed as skipped, with the reason. Every r
 syncs of a step.
 
 The memory estimate and the micro-batch finder live in memory.py, the training step in precision.py
-(precision.train_step runs the trainer's own accumulate_gradients + optimizer_step, so the ladder times
+(optim.train_step runs the trainer's own accumulate_gradients + optimizer_step, so the ladder times
 the step training runs); this file times and reports. Never imports train_gpt2.
 """
 import dataclasses
@@ -36,15 +36,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import optim
-import precision
-from fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
+from gpt2train import optim
+from gpt2train import precision
+from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
-from distributed import agree
-from memory import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes, free_memory,
-                    loss_chunk, optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
-                    training_bytes_estimate)
-from precision import is_oom, train_step
+from gpt2train.distributed import agree
+from gpt2train.memory import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes,
+                              free_memory, loss_chunk, optimizer_state_tensors, param_counts, random_batch,
+                              tensor_bytes, training_bytes_estimate)
+from gpt2train.optim import train_step
+from gpt2train.precision import is_oom
 
 # -----------------------------------------------------------------------------
 # configurations: the real model on a GPU, small ones on a CPU

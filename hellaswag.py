@@ -5,7 +5,6 @@ HellaSwag, zero-shot and completion style: which of 4 endings does the model fin
     python hellaswag.py --model out/ckpt_019073.pt      # one of train_gpt2.py's checkpoints
     python hellaswag.py --model out/gpt2_124m           # a run's folder: its newest checkpoint
     python hellaswag.py --model out/hf --data rows.jsonl --limit 500 --json result.json
-    python hellaswag.py --bench                         # batched vs one-example-at-a-time, examples/s
     python hellaswag.py --model gpt2 --compile          # as in training: compiled, packed rows at one fixed shape
 
 Each ending is scored as the row context + " " + ending: the model's cross-entropy over the ending
@@ -18,13 +17,14 @@ right-padded, padding never scored; score_one() is the plain one-example referen
 (torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles once, with short
 examples sharing a row rather than padding it.
 
+The benchmark (batched vs one example at a time): bench/hellaswag_bench.py.
+
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
 """
 import bisect
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -35,10 +35,11 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
-import precision
-from fileio import ArgumentParser, UserError, check_output_file, fail, write_json
-from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED, GPTConfig, newest_checkpoint
-from tokenizer import get_encoding
+from gpt2train import precision
+from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, write_json
+from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED
+from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.tokenizer import get_encoding
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
@@ -386,48 +387,6 @@ def load_model(name_or_path):
     return GPT.load(path)
 
 
-def synthetic_rows(n, seed=0):
-    """n HellaSwag-format rows of random English words (from the GPT-2 vocabulary) with
-    HellaSwag-like lengths, for the benchmark."""
-    enc = get_encoding()
-    words = [w for w in (enc.decode([i]) for i in range(enc.n_vocab - 1))
-             if w.startswith(" ") and w[1:].isalpha() and w[1:].islower() and len(w) > 3]
-    rng = random.Random(seed)
-    sentence = lambda k: " ".join(w.strip() for w in rng.choices(words, k=k)).capitalize() + "."  # noqa: E731
-    return [{"ind": i, "ctx": sentence(rng.randint(15, 70)), "label": rng.randrange(4),
-             "endings": [sentence(rng.randint(5, 35)) for _ in range(4)]} for i in range(n)]
-
-
-def bench(model, examples, plan, batch_size):
-    """examples/s of evaluate() against the score_one() loop on the same model and rows. The two
-    alternate chunk by chunk, so that a machine busy with other work slows both alike. A compiled
-    model is warmed up and timed on all the rows at once: its fixed shape comes from the rows it is
-    given, so each new chunk would compile again (score_one runs its eager module)."""
-    raw = getattr(model, "_orig_mod", model)
-    raw.eval()
-    for ex in examples[:2]:  # warm-up
-        score_one(raw, ex, plan)
-    chunk_size = len(examples) if is_compiled(model) else 4 * batch_size
-    warm = examples[:chunk_size] if is_compiled(model) else examples[:batch_size]
-    evaluate(model, warm, plan=plan, batch_size=batch_size)
-    t_loop = t_batch = 0.0
-    same = True
-    for i in range(0, len(examples), chunk_size):
-        chunk = examples[i:i + chunk_size]
-        t0 = time.perf_counter()
-        loop = [score_one(raw, ex, plan) for ex in chunk]
-        t1 = time.perf_counter()
-        res = evaluate(model, chunk, plan=plan, batch_size=batch_size)
-        t2 = time.perf_counter()
-        t_loop, t_batch = t_loop + t1 - t0, t_batch + t2 - t1
-        same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
-                            for r, (s, m) in zip(res["examples"], loop))
-    print(f"one example per forward: {len(examples) / t_loop:8.1f} examples/s")
-    print(f"batched ({batch_size:3d} examples{', compiled' if is_compiled(model) else ''}): "
-          f"{len(examples) / t_batch:8.1f} examples/s ({t_loop / t_batch:.1f}x), predictions identical: {same}")
-    return same
-
-
 def main(argv=None):
     p = ArgumentParser(prog="hellaswag.py", description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
     p.add_argument("--model", default=None,
@@ -444,9 +403,6 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model first (as in training: packed rows at one fixed shape)")
     p.add_argument("--json", default=None, help="write n, acc, acc_norm and per-example predictions here")
-    p.add_argument("--bench", action="store_true",
-                   help="time batched vs one-example scoring (a tiny random GPT-2 and 200 synthetic rows "
-                        "unless --model/--data/--limit are given)")
     try:
         args = p.parse_args(argv)
         plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=args.compile)
@@ -456,27 +412,11 @@ def main(argv=None):
             raise HellaSwagError(f"--batch_size must be at least 1, got {args.batch_size}")
         if args.json:
             check_output_file(args.json, "--json")
-        if args.bench and args.data is None:
-            with tempfile.TemporaryDirectory() as d:
-                rows = synthetic_rows(args.limit or 200)
-                with open(os.path.join(d, "rows.jsonl"), "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
-                examples = load_examples(data_file=os.path.join(d, "rows.jsonl"))
-        else:
-            examples = load_examples(args.split, args.data, args.data_dir)[:args.limit]
-        if args.bench and args.model is None:
-            torch.manual_seed(0)
-            model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64))
-            print("model: a tiny random GPT-2 (2 layers, n_embd 64, the tests' size)")
-        else:
-            model = load_model(args.model or "gpt2")
+        examples = load_examples(args.split, args.data, args.data_dir)[:args.limit]
+        model = load_model(args.model or "gpt2")
         model = precision.compile_model(model.to(plan.device), plan)
     except (UserError, OSError) as e:
         return fail(e)
-    if args.bench:
-        print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, "
-              f"{plan.describe()}")
-        return 0 if bench(model, examples, plan, args.batch_size) else 1
     t0 = time.time()
     res = evaluate(model, examples, plan=plan, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0

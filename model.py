@@ -12,7 +12,7 @@ GPTConfig(loss_impl="full") returns the logits with the loss (F.cross_entropy); 
 loss never builds them. GPTConfig(activation_checkpointing="blocks" or "every_other") recomputes
 those blocks in backward instead of keeping their activations.
 
-Also here: the AdamW setup (configure_optimizers) and FLOPs per token (precision.py has the MFU).
+Also here: FLOPs per token (gpt2train/precision.py has the MFU). The chunked loss is gpt2train/loss.py's.
 From the command line:
 
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
@@ -26,13 +26,10 @@ save_pretrained directory or a GPT-2 name. The .gguf file (gguf_export.py; --typ
 runs in llama.cpp's gpt2 architecture; it needs `pip install gguf`.
 """
 import errno
-import inspect
 import math
 import os
-import pickle
 import re
 import sys
-import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +37,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fileio import UserError, fail, replacing_dir
+from gpt2train.checkpoint import newest_checkpoint, read_checkpoint
+from gpt2train.fileio import UserError, fail, replacing_dir
+from gpt2train.loss import CE_CHUNK_ROWS, chunk_loss, chunked_cross_entropy
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -58,7 +57,7 @@ class GPTConfig:
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
     loss_impl: str = "chunked"  # with targets: "chunked" (loss only, no (B, T, V) logits) or "full" (logits too)
     activation_checkpointing: str = "none"  # "none", "blocks" (all) or "every_other" (blocks 0, 2, 4, ...)
-    ce_chunk_rows: int = 1024  # chunked loss: rows of logits at a time (1024 x 50304 fp32 = 197 MiB); loss_chunk_rows
+    ce_chunk_rows: int = CE_CHUNK_ROWS  # chunked loss: rows of logits at a time (gpt2train/loss.py)
 
 
 # the four OpenAI checkpoints
@@ -234,24 +233,6 @@ class GPT(nn.Module):
         return idx
 
     # -------------------------------------------------------------------------
-    # optimizer
-
-    def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None, verbose=True):
-        """AdamW with weight decay on the 2-D tensors (matmul weights, embeddings) only.
-        fused=None means fused on CUDA where this torch has it."""
-        params = [p for p in self.parameters() if p.requires_grad]  # the tied weight comes once
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        if fused is None:
-            fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        if verbose:
-            print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} parameters), "
-                  f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,}), fused AdamW: {fused}")
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-
-    # -------------------------------------------------------------------------
     # Hugging Face / OpenAI weights
 
     @classmethod
@@ -361,206 +342,7 @@ def check_config(config, state_dict):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
 
-def checkpoint_files(out_dir):
-    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
-    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
-
-
-def held_steps(out_dir, warn=None):
-    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
-    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
-    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
-    held = []
-    for _, path in checkpoint_files(out_dir):
-        try:
-            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
-        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
-            why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
-            why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
-            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
-    return sorted(held, reverse=True)
-
-
-def newest_checkpoint(spec, warn=print):
-    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
-    readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
-    sample.py and hellaswag.py take a run folder this way."""
-    files = checkpoint_files(spec)
-    held = held_steps(spec, warn) if files else []
-    return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
-
-
-def read_checkpoint(path):
-    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
-    or one UserError line for a missing, truncated or foreign file."""
-    if os.path.isdir(path):
-        raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path!r} not found")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
-        complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
-        why = ((str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete
-               else "not a complete torch.save file")
-        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another "
-                        "file?)") from None
-    if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
-        raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")
-    return ckpt
-
-
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-# -----------------------------------------------------------------------------
-# chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
-#
-# The chunk loop is kept out of torch.compile (torch.compiler.disable, one graph break): traced, it was
-# unrolled into the graph, and inductor's compile time grew with the chunk count (tiny model, CPU,
-# 64x1024: 28.8 s at 1 chunk, 110.8 s at 64). When the model is compiled, the per-chunk body (chunk_loss:
-# the logits matmul, softmax, loss and dL/dlogits) is compiled on its own, one small graph reused by every
-# chunk of a size, so the (n, V) logits are read in one fused pass instead of ~10 (bench/loss_head_traffic.py).
-# Not a torch.library custom op (one graph, but a dispatch mode such as bench.LiveTensors no longer
-# sees its temporaries); not F.linear_cross_entropy (torch 2.13 has it, older supported ones do not;
-# it too runs eager under compile).
-
-def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
-    """Bytes one chunk of the chunked loss holds at once: its (rows, V) fp32 logits/probabilities
-    plus their copy in the compute dtype (none in fp32): the bf16 logits, then the bf16 dL/dlogits."""
-    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
-    return chunk_rows * vocab_size * (4 + cast)
-
-
-FP16_CHUNK_ROWS = 1024  # fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
-
-
-def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32):
-    """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64 rows each
-    (tensor-core shapes) when the budget allows 64, of at most budget_bytes each (loss_chunk_bytes);
-    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer."""
-    cap = GPTConfig.ce_chunk_rows if budget_bytes is None else budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
-    cap = max(1, min(cap, FP16_CHUNK_ROWS if dtype == torch.float16 else cap))
-    if n_rows <= cap:
-        return n_rows  # one chunk
-    align = 64 if cap >= 64 else 1
-    cap -= cap % align
-    n_chunks = -(-n_rows // cap)
-    return -(-n_rows // (n_chunks * align)) * align  # ceil(n_rows / n_chunks), rounded up to align: still <= cap
-
-
-def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32):
-    """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh and
-    dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit dtype
-    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_); an (N, C) fp32."""
-    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
-    chunk = loss_chunk_bytes(min(chunk_rows, n_rows), vocab_size, dtype)
-    return chunk + 2 * cast * vocab_size * n_embd + n_rows * n_embd * 4
-
-
-@torch.compiler.disable
-def chunked_cross_entropy(h, weight, targets, chunk_rows=1024, body=None):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (N, C), weight (V, C), targets (N,),
-    chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run in the autocast dtype
-    (else weight's), the softmax in fp32, as autocast would run the unchunked version. body: chunk_loss
-    compiled (GPT.compile_loss_head), run for each chunk when gradients are recorded; None: eager."""
-    device_type = h.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad, body)
-
-
-def chunk_loss(hc, w, tgt, keep):
-    """One chunk's (summed loss, n_valid * dL/dlogits in hc's dtype) for hc (n, C), w (V, C), tgt (n, 1) and
-    keep (n,) bool: the body torch.compile turns into a matmul and one fused pass over the (n, V) logits."""
-    logits = (hc @ w.t()).float()  # (n, V)
-    top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
-    exp = (logits - top).exp()  # (n, V)
-    total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
-    loss_sum = ((top + total.log() - logits.gather(1, tgt)).squeeze(1) * keep).sum()  # logsumexp - target logit
-    onehot = torch.arange(logits.size(1), device=logits.device) == tgt  # (n, V)
-    dlogits = exp * (keep[:, None] / total) - (onehot & keep[:, None]).float()  # softmax - one-hot; ignored rows 0
-    return loss_sum, dlogits.to(hc.dtype)  # (), (n, V)
-
-
-def chunk_loss_eager(hc, w, tgt, keep, need_grad=True):
-    """chunk_loss in place over one fp32 (n, V) buffer (the eager memory: loss_chunk_bytes); dlogits None
-    without need_grad."""
-    logits = (hc @ w.t()).float()  # (n, V)
-    target_logit = logits.gather(1, tgt)  # (n, 1)
-    top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
-    exp = logits.sub_(top).exp_()  # (n, V) in place of the logits: one exp pass serves loss and grad
-    total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
-    loss_sum = ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
-    if not need_grad:
-        return loss_sum, None
-    # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it would flush small probabilities to 0
-    exp.mul_(keep[:, None] / total)
-    exp.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
-    return loss_sum, exp.to(hc.dtype)  # (n, V) n_valid * dL/dlogits, in the compute dtype
-
-
-def padded(rows, hc, tgt, keep):
-    """(hc, tgt, keep) grown to rows rows, the new ones ignored (zero dL/dlogits, no loss): a short last chunk
-    reuses the compiled graph of the full ones instead of compiling another."""
-    pad = rows - hc.size(0)
-    if pad == 0:
-        return hc, tgt, keep
-    return F.pad(hc, (0, 0, 0, pad)), F.pad(tgt, (0, 0, 0, pad)), F.pad(keep, (0, pad))  # (rows, C), (rows, 1), (rows,)
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
-    logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into that chunk's
-    rows of dL/dh and added into one fp32 dL/dweight. backward only scales them, once, by the incoming
-    gradient (1/grad_accum, the loss scale) over n_valid. No second
-    lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and dL/dweight (V, C, fp32)
-    instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad, body=None):
-        N = h.size(0)
-        rows = min(N, FP16_CHUNK_ROWS if dtype == torch.float16 else chunk_rows, chunk_rows)
-        with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
-            h = h.detach()  # its slices would say requires_grad (views), the padded chunk not: one graph for both
-            w = weight.detach().to(dtype)  # (V, C)
-            valid = targets != -1  # (N,)
-            n_valid = valid.sum().float()
-            loss = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need_grad else None  # (N, C)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-            for i in range(0, N, rows):
-                hc, keep = h[i:i + rows].to(dtype), valid[i:i + rows]  # (n, C), (n,)
-                tgt = targets[i:i + rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
-                if need_grad and body is not None:  # compiled: one graph, every chunk of this size
-                    hp, tp, kp = padded(rows, hc, tgt, keep)  # (rows, C), (rows, 1), (rows,)
-                    loss_sum, dlogits = body(hp, w, tp, kp)
-                    dlogits = dlogits[:hc.size(0)]  # (n, V); a short last chunk's padding rows dropped
-                else:
-                    loss_sum, dlogits = chunk_loss_eager(hc, w, tgt, keep, need_grad)
-                loss += loss_sum
-                if need_grad:
-                    if dtype == h.dtype:
-                        torch.mm(dlogits, w, out=grad_h[i:i + rows])  # (n, C)
-                    else:
-                        grad_h[i:i + rows] = dlogits @ w  # (n, C)
-                    if dtype == torch.float32:
-                        grad_w.addmm_(dlogits.t(), hc)  # (V, C), accumulated inside the matmul
-                    else:
-                        grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
-                    del dlogits  # the chunk goes before the next one comes
-            if need_grad:
-                ctx.save_for_backward(grad_h, grad_w, n_valid)  # n_valid * the gradients: backward divides
-            ctx.weight_dtype = weight.dtype
-        return loss / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid  # (): one pass over each gradient for the mean and the incoming gradient
-        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None
 
 # -----------------------------------------------------------------------------
 # FLOPs (precision.py turns them into MFU against the GPU's peak)
@@ -595,7 +377,7 @@ def load_for_export(src):
 def export(src, out_dir):
     """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
     beside it and swapped in only when complete."""
-    from tokenizer import write_hf_tokenizer
+    from gpt2train.tokenizer import write_hf_tokenizer
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"OUT_DIR {out_dir} is a file: choose a new or empty OUT_DIR")
     if os.path.isdir(out_dir):
@@ -618,7 +400,7 @@ def export(src, out_dir):
 
 def export_gguf(src, out, type_name="f16"):
     """Write out, one GGUF file for llama.cpp (gguf_export.py), temp file then rename."""
-    from gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
+    from gpt2train.gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
     import_gguf()  # no gguf package, a wrong --type: said before loading anything
     check_type(type_name)
     if os.path.isdir(out):

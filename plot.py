@@ -14,7 +14,7 @@ import math
 import os
 import sys
 
-from fileio import ArgumentParser, UserError, check_output_file, fail, replacing
+from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing
 
 # -----------------------------------------------------------------------------
 # reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as hellaswag.py)

@@ -18,10 +18,11 @@ import sys
 
 import torch
 
-import precision
-from fileio import ArgumentParser, UserError, fail
-from model import GPT, newest_checkpoint
-from tokenizer import EOT, get_encoding
+from gpt2train import precision
+from gpt2train.fileio import ArgumentParser, UserError, fail
+from model import GPT
+from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.tokenizer import EOT, get_encoding
 
 # -----------------------------------------------------------------------------
 # sampling

@@ -14,7 +14,8 @@ memory.py), and returns a frozen Run that the loop only reads. The resolved conf
 beside what was asked in out_dir/config.json; progress goes to the console and out_dir/log.jsonl;
 checkpoints to out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest one, bit-exactly).
 Ctrl-C/SIGTERM and `--time_limit=MINUTES` finish the step, save and print the command that continues.
-In this file, top down: the LR schedule, setup() and its parts, the loop, the periodic work it calls, main.
+In this file, top down: setup() and its parts, the loop, the periodic work it calls, main (the schedule,
+the forward/backward and the update are gpt2train/optim.py's).
 """
 import dataclasses
 import json
@@ -34,34 +35,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
-import data
-import distributed
-import logger
-import memory
-import optim
+from gpt2train import checkpoint
+from gpt2train import data
+from gpt2train import distributed
+from gpt2train import logger
+from gpt2train import memory
+from gpt2train import optim
 import plot
-import precision
-from config import asked_and_resolved, check_shape, help_text, oddities, parse_args
-from data import TokenLoader, shard_paths
-from distributed import DistEnv, agree
-from fileio import UserError, fail, launcher_note, write_json
-from guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
+from gpt2train import precision
+from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
+from gpt2train.data import TokenLoader, shard_paths
+from gpt2train.distributed import DistEnv, agree
+from gpt2train.fileio import UserError, fail, launcher_note, write_json
+from gpt2train.guard import STOP_SIGNALS, Diverged, Guard, Stopped, catch_stop_signals, remedy
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s of matplotlib), and at the end
-
-# -----------------------------------------------------------------------------
-# learning rate schedule: linear warmup, then cosine decay to min_lr at max_steps
-
-
-def get_lr(step, cfg):
-    if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps
-    if step >= cfg.max_steps:
-        return cfg.min_lr
-    ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.max_lr - cfg.min_lr)
 
 # -----------------------------------------------------------------------------
 # setup: every decision of the run, once, in execution order
@@ -72,13 +61,11 @@ class Run:
     cfg: object  # the resolved Config: what the run does (config.json's "resolved")
     env: DistEnv
     plan: precision.Plan
-    B: int  # micro-batch rows per rank
-    T: int  # tokens per row
     grad_accum: int  # micro-batches per optimizer step
     raw_model: object  # the GPT itself (FSDP-sharded in place when fsdp)
     model: object  # what evals run: compiled, or raw_model
     train_model: object  # what trains: DDP(model) under torchrun, else model
-    optimizers: list  # AdamW, or AdamW + Muon: stepped together by precision.optimizer_step
+    optimizers: list  # AdamW, or AdamW + Muon: stepped together by optim.optimizer_step
     params: list  # every trained parameter once: the one clip runs over them
     scaler: object  # torch.amp.GradScaler, enabled for fp16 only (a no-op otherwise)
     train_loader: TokenLoader
@@ -90,6 +77,14 @@ class Run:
     guard_state: dict  # the skip guard's history, from the checkpoint
     hellaswag: tuple  # (the hellaswag module, its examples) or None
     started: float  # time.time() at start-up: time_limit counts from here
+
+    @property
+    def B(self):  # micro-batch rows per rank, as chosen (memory.choose_micro_batch)
+        return self.cfg.micro_batch_size
+
+    @property
+    def T(self):  # tokens per row
+        return self.cfg.seq_len
 
     @property
     def tokens_per_step(self):
@@ -134,7 +129,7 @@ def extras(cfg, model, say):
     if why:
         say(f"note: {why}")
         return {"sample_interval": 0, "hellaswag_interval": 0}
-    from tokenizer import get_encoding
+    from gpt2train.tokenizer import get_encoding
     get_encoding()  # now, not at the first sample: a missing vocabulary is one line before any training
     return {}
 
@@ -208,7 +203,7 @@ def place_model(cfg, given, ckpt, seq_len, plan, env, say):
     off = extras(cfg, raw_model, say)
     raw_model.to(plan.device)
     if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
-        from sharding import shard_model
+        from gpt2train.sharding import shard_model
         shard_model(raw_model, plan.dtype, plan.device_type)
     return raw_model, off
 
@@ -233,7 +228,7 @@ def setup(cfg, given, env, say, lock):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
             f"raise --max_steps to train on, or choose another --out_dir")
         return None
-    value = lambda key: overrides.get(key, getattr(cfg, key))  # noqa: E731 - the checkpoint's, else the config's
+    cfg = dataclasses.replace(cfg, **overrides)  # the checkpoint's keys, once: from here on cfg is what runs
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
     if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses the graphs
         precision.use_compile_cache(cache)
@@ -241,7 +236,7 @@ def setup(cfg, given, env, say, lock):
 
     # data: rank 0 tokenizes --data or builds the quickstart corpus; the others wait, then check they see it
     def prepare():
-        data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, value("seq_len"),
+        data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, cfg.seq_len,
                                 env.world_size * cfg.micro_batch_size, build=env.master, text_column=cfg.text_column)
         for split in ("train", "val"):
             shard_paths(data_dir, split)  # (one line if not)
@@ -249,18 +244,18 @@ def setup(cfg, given, env, say, lock):
     data_dir = distributed.rank0_first(prepare, env, startup)
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
-    torch.manual_seed(value("seed"))
-    raw_model, off = place_model(cfg, given, ckpt, value("seq_len"), plan, env, say)
-    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=value("max_lr"),
-                                        weight_decay=value("weight_decay"),
-                                        muon_lr=value("muon_lr"), muon_momentum=value("muon_momentum"),
+    torch.manual_seed(cfg.seed)
+    raw_model, off = place_model(cfg, given, ckpt, cfg.seq_len, plan, env, say)
+    optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=cfg.max_lr,
+                                        weight_decay=cfg.weight_decay,
+                                        muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                         device_type=plan.device_type, verbose=env.master,
                                         ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type))
     scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)  # off: a no-op (bf16, fp32)
 
     # micro-batch (and on small GPUs seq_len), compile, DDP: once the model and optimizers exist
     B, T, why, timed = memory.choose_micro_batch(
-        raw_model, optimizers, plan, cfg.micro_batch_size, value("seq_len"), value("total_batch_size"),
+        raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size,
         env.world_size, auto=cfg.auto_micro_batch, fit="micro_batch_size" not in given, optimizer=cfg.optimizer,
         shrink_seq="seq_len" not in given and ckpt is None, warn=say)
     if why:
@@ -268,7 +263,7 @@ def setup(cfg, given, env, say, lock):
     memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
-                               cfg.shuffle, value("seed"))
+                               cfg.shuffle, cfg.seed)
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, raw_model.config.vocab_size,
                              shuffle=False) if cfg.eval_interval > 0 else None
     if val_loader is not None and cfg.val_steps * B * env.world_size > val_loader.n_rows:
@@ -287,7 +282,7 @@ def setup(cfg, given, env, say, lock):
                    micro_batch_size=B, seq_len=T, auto_micro_batch=False)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
     grad_accum = resolved.total_batch_size // (B * T * env.world_size)  # choose_micro_batch checked it divides
-    return Run(cfg=resolved, env=env, plan=plan, B=B, T=T, grad_accum=grad_accum,
+    return Run(cfg=resolved, env=env, plan=plan, grad_accum=grad_accum,
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
                train_loader=train_loader, val_loader=val_loader, data_dir=data_dir,
@@ -340,7 +335,7 @@ def train(run, argv, say):
         # one optimizer step
         t0 = time.time()
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # on a terminal, once a step takes > 5 s
-            loss = precision.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.plan,
+            loss = optim.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum, run.plan,
                                                   run.scaler, run.wraps_ddp, bar)
         # after this step: stop for a signal or the time limit (too little left for a step and a save)?
         # save by the clock?
@@ -352,9 +347,8 @@ def train(run, argv, say):
             stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
             dist.all_reduce(stats)
             loss, flags = stats[0] / env.world_size, stats[1:]  # counts read with loss and norm, in one transfer
-        lr = get_lr(step, cfg)
-        loss, norm, applied, counts = precision.optimizer_step(
-            run.optimizers, run.scaler, run.params, cfg.grad_clip, lr / cfg.max_lr if cfg.max_lr else 0.0, loss,
+        loss, norm, applied, counts = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
+            run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg), loss,
             guard.is_outlier if cfg.skip_outliers_z > 0 else None, flags)
         if env.ddp:
             asks = [n > 0 for n in counts]
@@ -363,7 +357,7 @@ def train(run, argv, say):
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
         finite = math.isfinite(loss) and math.isfinite(norm)
         why = "" if applied else "inf/nan loss or gradients" if not finite else "outlier"
-        log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog)
+        log_step(run, step, loss, optim.lrs(run.optimizers), norm, why, dt, timer, flops_tok, say, runlog)
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
         if guard.update(loss, norm, applied):
             raise Diverged(f"the run diverged: {guard.in_a_row} optimizer steps in a row were skipped ({why}), "
@@ -383,15 +377,17 @@ def train(run, argv, say):
     return code
 
 
-def log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog):
-    """The step's console line (rank 0), its log.jsonl row, and after the first step the memory line."""
+def log_step(run, step, loss, lrs, norm, why, dt, timer, flops_tok, say, runlog):
+    """The step's console line (rank 0: each optimizer's lr, AdamW's first), its log.jsonl row, and after the
+    first step the memory line."""
     cfg = run.cfg
     tok_per_s = run.tokens_per_step / dt
     mfu = precision.estimate_mfu(flops_tok, tok_per_s / run.env.world_size, run.plan.device_name, run.plan.dtype,
                                  run.plan.tf32)
     eta = timer.eta(dt, cfg.max_steps - step - 1)
     skipped = why and f" (skipped: {why})"
-    say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f}{skipped} | "
+    shown = "/".join(f"{lr:.2e}" for lr in lrs)  # AdamW's, then Muon's
+    say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {shown} | norm {norm:.3f}{skipped} | "
         f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
         f"ETA {logger.fmt_duration(eta)}")
     if runlog is None:
@@ -399,7 +395,7 @@ def log_step(run, step, loss, lr, norm, why, dt, timer, flops_tok, say, runlog):
     if step == run.start_step:
         say(memory.memory_summary(run.raw_model, run.optimizers, run.plan.device, micro_batch=run.B, seq_len=run.T,
                                   dtype=run.plan.dtype))
-    runlog.write({"step": step, "loss": loss, "lr": lr, "norm": norm if math.isfinite(norm) else None,
+    runlog.write({"step": step, "loss": loss, "lr": lrs[0], "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
                  mfu=mfu, **logger.memory_stats(run.plan.device))
 
@@ -427,7 +423,7 @@ def evaluate(run, loader):
 def sample(run):
     """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
     so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from tokenizer import get_encoding
+    from gpt2train.tokenizer import get_encoding
     cfg, device, enc = run.cfg, run.plan.device, get_encoding()
     idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
     idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)

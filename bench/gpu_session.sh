@@ -30,7 +30,7 @@
 #
 # SMOKE=1: the same commands on the CPU with a tiny model and a few steps, in well under a minute a stage
 # (tests/test_gpu_session.py runs every stage so, from no data, so that the flags cannot rot). TRAIN_ARGS and
-# HELLASWAG_ARGS are appended to the trainer's and hellaswag.py's commands.
+# HELLASWAG_ARGS are appended to the trainer's and bench/hellaswag_bench.py's.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1  # the repository root
 OUT=${OUT:-bench/out}
@@ -51,7 +51,7 @@ if [ -n "$SMOKE" ]; then  # CPU, tiny: checks that every command still parses an
     SM75=(--plan=auto "${TINY[@]}" --micro_batch_size=2 --total_batch_size=2048 --max_steps=2 --warmup_steps=1)  # (CPU: no sm75)
     MUON=("${TINY[@]}" --micro_batch_size=2 --total_batch_size=4096 --max_steps=2 --warmup_steps=1 --eval_interval=2
           --val_steps=1)
-    HELLASWAG=(--device cpu --limit 8)  # hellaswag.py --bench's own tiny random model
+    HELLASWAG=(--device cpu --limit 8)  # bench/hellaswag_bench.py's own tiny random model
     LADDER=(--device cpu --model tiny --micro_batch_size 2 --seq_len 32 --warmup 0 --steps 1)
     export TORCH_COMPILE_DISABLE=1  # hellaswag.py --compile: the compiled path, run eagerly (inductor on 2 cores: minutes)
     export CUDA_VISIBLE_DEVICES=""  # even where there is a GPU: tests/test_cuda.py collects and skips
@@ -100,15 +100,16 @@ part() {
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 # the stdlib shards in $DATA (the quickstart corpus, built only where missing) and their rows at seq_len 1024;
-# run by python3 -c, not from stdin: fineweb's spawned workers re-import __main__, which <stdin> cannot be
+# run by python3 -c, not from stdin: the tokenizer's spawned workers re-import __main__, which <stdin> cannot be
 SHARDS='import json, os, sys, time
-import data, fineweb
+from gpt2train import data
+from gpt2train.shards import MANIFEST
 t0 = time.time()
 data.prepare_python_corpus(sys.argv[1])
-with open(os.path.join(sys.argv[1], fineweb.MANIFEST)) as f:
-    shards = json.load(f)["shards"]
+with open(os.path.join(sys.argv[1], MANIFEST)) as f:
+    listed = json.load(f)["shards"]
 for split in ("train", "val"):
-    n = [s["tokens"] for s in shards if s["split"] == split]
+    n = [s["tokens"] for s in listed if s["split"] == split]
     print(f"{split}: {sum(n):,} tokens in {len(n)} shards, {sum((k - 1) // 1024 for k in n)} rows of seq_len 1024")
 print(f"ready in {time.time() - t0:.1f} s")'
 shards() {
@@ -251,7 +252,7 @@ if torch.cuda.is_available():
 else:
     print("gpu: none (torch.cuda.is_available() is False)")
 try:
-    import tokenizer
+    from gpt2train import tokenizer
     tokenizer.get_encoding()
     print("tokenizer: the GPT-2 vocabulary is installed")
 except Exception as e:  # noqa: BLE001
@@ -274,16 +275,16 @@ stage2() {  # ~5 min: shards ~15 s; the trainer ~4.5 min (start ~20 s, compiling
 }
 
 stage3() {  # ~6 min: sm75 trainer ~3 min (fp16 compile ~2 min, 20 steps of 8 x 16 x 1024); HellaSwag ~1.5 + ~1 min
-    # (hellaswag.py --bench also times the one-example loop over every row: ~20 s of each part at 5,000 rows)
+    # (bench/hellaswag_bench.py also times the one-example loop over every row: ~20 s of each part at 5,000 rows)
     shards
     if has_plan_flag; then
         train train_sm75 220 "$T4_BUDGET_GIB" "${SM75[@]}"
     else
         note "train_sm75: not run: train_gpt2.py --help has no --plan yet"
     fi
-    part hellaswag_compiled 130 python3 hellaswag.py --bench "${HELLASWAG[@]}" --compile ${HELLASWAG_ARGS:-}
+    part hellaswag_compiled 130 python3 bench/hellaswag_bench.py "${HELLASWAG[@]}" --compile ${HELLASWAG_ARGS:-}
     summarize hellaswag "$OUT/hellaswag_compiled.log" "$HELLASWAG_ROWS"
-    part hellaswag_eager 90 python3 hellaswag.py --bench "${HELLASWAG[@]}" ${HELLASWAG_ARGS:-}
+    part hellaswag_eager 90 python3 bench/hellaswag_bench.py "${HELLASWAG[@]}" ${HELLASWAG_ARGS:-}
     summarize hellaswag "$OUT/hellaswag_eager.log" "$HELLASWAG_ROWS"
 }
 

@@ -1,5 +1,5 @@
 """
-Bytes per logit of the chunked loss head (model.ChunkedCrossEntropy.forward) at 124M shapes, eager against
+Bytes per logit of the chunked loss head (loss.ChunkedCrossEntropy.forward) at 124M shapes, eager against
 compiled, on the H200 plan and the sm75 plan. No GPU and no big memory: run from the project root,
 
     python bench/loss_head_traffic.py
@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.getcwd())  # run from the project root
+from gpt2train import loss  # noqa: E402
 import model as M  # noqa: E402
 
 FREE = {"view", "t", "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "expand", "transpose",
@@ -75,7 +76,7 @@ def around_body(N, rows, dtype, body):
     ctx = type("Ctx", (), {"save_for_backward": lambda self, *a: None})()
     count = Traffic()
     with mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext()), count:
-        M.ChunkedCrossEntropy.forward(ctx, h, w, targets, dtype, rows, True, body and body(count))
+        loss.ChunkedCrossEntropy.forward(ctx, h, w, targets, dtype, rows, True, body and body(count))
     count.bytes.pop("gather", None), count.bytes.pop("scatter_add_", None)  # n elements each, not n x V
     return count
 
@@ -108,7 +109,7 @@ def inductor_kernels(rows, dtype):
     log = compile_fx_module.inductor_metrics_log  # inductor calls count_bytes when this log is on
     with mock.patch.object(GraphLowering, "count_bytes", record), \
             mock.patch.object(log, "isEnabledFor", lambda level: True), mock.patch.object(log, "info", print_nothing):
-        compile_fx(torch.fx.symbolic_trace(M.chunk_loss), args)
+        compile_fx(torch.fx.symbolic_trace(loss.chunk_loss), args)
     return kernels
 
 
@@ -122,7 +123,7 @@ def stub(rows_seen):
         def body(hc, w, tgt, keep):
             rows_seen.append(hc.size(0))
             with count.pause():
-                return M.chunk_loss(hc, w, tgt, keep)
+                return loss.chunk_loss(hc, w, tgt, keep)
         return body
     return make
 
@@ -145,7 +146,7 @@ def report(name, N, rows, dtype):
 if __name__ == "__main__":
     for plan in PLANS:
         report(*plan)
-    from memory import LOSS_CHUNK_SHARE
-    rows = M.loss_chunk_rows(16384, V, int(LOSS_CHUNK_SHARE * 15 * 2**30), torch.bfloat16)  # same bytes as fp16
+    from gpt2train.memory import LOSS_CHUNK_SHARE
+    rows = loss.loss_chunk_rows(16384, V, int(LOSS_CHUNK_SHARE * 15 * 2**30), torch.bfloat16)  # same bytes as fp16
     with mock.patch.object(M, "FP16_CHUNK_ROWS", rows):  # what-if: a T4's chunk from its memory share, no fp16 cap
         report("sm75 without the 1024-row fp16 cap (what-if)", 16384, rows, torch.float16)

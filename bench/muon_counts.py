@@ -1,6 +1,6 @@
 """
 Muon's kernel launches and transient memory per step at 124M (meta device) and the host reads of
-precision.optimizer_step for each (precision, optimizer) pair (CPU stand-in: aten._local_scalar_dense, a sync
+optim.optimizer_step for each (precision, optimizer) pair (CPU stand-in: aten._local_scalar_dense, a sync
 on CUDA). Run from the project root:
 
     python bench/muon_counts.py
@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.getcwd())  # run from the project root
-import optim  # noqa: E402
-import precision  # noqa: E402
+from gpt2train import optim  # noqa: E402
+from gpt2train import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 VIEWS = {"view", "t", "transpose", "detach", "alias", "expand", "_unsafe_view", "as_strided", "select", "slice",
@@ -88,13 +88,13 @@ def extra_reads(precision_name, optimizer):
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
 
     def step():
-        loss = precision.accumulate_gradients(m, precision.FixedBatch(x, y), 2, plan, scaler)
-        return precision.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(m, optim.FixedBatch(x, y), 2, plan, scaler)
+        return optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
     step()  # the state and the loss scale exist from here on
     c = Count()
     with c:
         step()
-    return precision.skips_on_device(opts, None), c.reads
+    return optim.skips_on_device(opts, None), c.reads
 
 
 def host_reads():

@@ -3,7 +3,7 @@
     nice python bench/muon_sweep.py                 # the sweep; appends each run to bench/results/muon_cpu.json
     python bench/muon_sweep.py --report             # best runs, token ratio, ms/step, plot (muon_cpu.png)
 
-Same step as the trainer: one (B, T) batch, then precision.optimizer_step (the trainer's: every group's
+Same step as the trainer: one (B, T) batch, then optim.optimizer_step (the trainer's: every group's
 lr = base_lr x the warmup + cosine scale, clip 1.0 over all parameters, each optimizer steps), val loss
 from the start of the val split. Runs already in the JSON are
 skipped, so a stopped sweep continues where it was."""
@@ -18,9 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
+from gpt2train import data  # noqa: E402
+from gpt2train import optim  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,7 +72,7 @@ class ByteCorpus:
 
 
 def lr_scale(step, steps, warmup, min_ratio=0.1):
-    """train_gpt2.get_lr divided by max_lr: linear warmup, cosine to min_lr = max_lr / 10 (the quickstart's ratio)."""
+    """optim.lr_multiplier with its own steps: linear warmup, cosine to min_lr = max_lr / 10 (the quickstart's)."""
     if step < warmup:
         return (step + 1) / warmup
     ratio = (step - warmup) / (steps - warmup)
@@ -114,7 +113,7 @@ def run(scale, kind, lr, muon_lr):
         _, loss = model(x, y)
         loss.backward()
         t1 = time.perf_counter()
-        stepped = precision.optimizer_step(opts, scaler, params, 1.0, lr_scale(step, s["steps"], s["warmup"]),
+        stepped = optim.optimizer_step(opts, scaler, params, 1.0, lr_scale(step, s["steps"], s["warmup"]),
                                            loss.detach())  # the trainer's step: lrs, clip, update
         t2 = time.perf_counter()
         train_losses.append(stepped.loss)
@@ -147,7 +146,7 @@ def timing(scale, steps=24):
             _, loss = models[kind](x[:, :-1], x[:, 1:])
             loss.backward()
             t1 = time.perf_counter()
-            precision.optimizer_step(opts[kind], scaler, list(models[kind].parameters()), 1.0, 1.0, loss.detach())
+            optim.optimizer_step(opts[kind], scaler, list(models[kind].parameters()), 1.0, 1.0, loss.detach())
             t2 = time.perf_counter()
             if step >= 2:  # warm-up
                 ms[kind][0].append(1e3 * (t2 - t0))

@@ -1,6 +1,7 @@
 """Shared fixtures and helpers (every test module imports them from here; none imports another test
 module): toy token shards and tiny runs, tiny models and their checkpoints, HellaSwag rows, text documents,
 and the processes a test starts. Everything here is local and offline."""
+import inspect
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-import precision  # noqa: E402 - the repository's modules: after its root is on sys.path
+from gpt2train import precision  # noqa: E402 - the repository's modules: after its root is on sys.path
 from model import GPT, GPTConfig  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def tiny_model_and_optimizer(vocab=256):
     """A tiny GPT and its AdamW (the probes' and the benchmark's kind of model)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
-    return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    return model, configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
 
 
 def cpu_plan(dtype):
@@ -486,3 +487,18 @@ def pytest_sessionfinish(session, exitstatus):
         else:
             print("\n".join(lines), file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def configure_optimizers(model, weight_decay, learning_rate, device_type, fused=None, verbose=True):
+    """build-nanogpt's AdamW for a GPT (it was GPT.configure_optimizers): weight decay on the 2-D tensors
+    only; an independent reference for optim.build_optimizers and the tests' plain optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]  # the tied weight comes once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if fused is None:
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    if verbose:
+        print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} parameters), "
+              f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,}), fused AdamW: {fused}")
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)

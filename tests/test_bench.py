@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import bench
-import memory
-import precision
+from gpt2train import optim
+from gpt2train import memory
 from conftest import ROOT, cpu_plan, tiny_model_and_optimizer
-from fileio import UserError
+from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
-from precision import default_plan
+from gpt2train.precision import default_plan
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
 RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW",
@@ -211,7 +211,7 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
             else:
                 assert isinstance(wrapped._orig_mod, DDP) and wrapped._orig_mod.module is model
-            precision.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
+            optim.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
             grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
         rows = bench.run_ddp(plan, "tiny", 2, 16, 0, 1, force_compile=True, backend="eager")

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
-from config import Config, parse_args
-from conftest import load_ckpt, tiny_args, tiny_model
-from data import TokenLoader
-from fileio import UserError
+from gpt2train import checkpoint
+from gpt2train.config import Config, parse_args
+from conftest import configure_optimizers, load_ckpt, tiny_args, tiny_model
+from gpt2train.data import TokenLoader
+from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
-from precision import make_plan, train_step
+from gpt2train.precision import make_plan
+from gpt2train.optim import train_step
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 # what tiny_args' run fixes: the RUN_KEYS as that run saved them
@@ -26,7 +27,7 @@ TINY_RUN = {"init_from": "scratch", "seq_len": 16, "total_batch_size": 64, "warm
 def trained_model(data_dir, steps=1):
     """tiny_args' model and AdamW after `steps` steps on data_dir (the optimizer then holds state), its loader."""
     model = tiny_model()
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
     loader = TokenLoader(data_dir, "train", 2, 16)
     for _ in range(steps):
         train_step(model, [optimizer], NO_SCALER, *loader.next_batch(), make_plan("cpu"))
@@ -75,7 +76,7 @@ def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch):
     shutil.copy(good, path)
     ckpt = load_ckpt(path)
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
 
     def dying_save(obj, f):
         f.write(b"half a checkpoint")

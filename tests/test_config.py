@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-import config
-from config import Config, asked_and_resolved, oddities, parse_args
+from gpt2train import config
+from gpt2train.config import Config, asked_and_resolved, oddities, parse_args
 from conftest import ROOT
-from fileio import UserError
+from gpt2train.fileio import UserError
 from train_gpt2 import main
 
 # -----------------------------------------------------------------------------

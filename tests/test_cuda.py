@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
 
 import bench  # noqa: E402
 import hellaswag  # noqa: E402
-import memory  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-from data import TokenLoader  # noqa: E402
+from gpt2train import memory  # noqa: E402
+from gpt2train import optim  # noqa: E402
+from gpt2train import precision  # noqa: E402
+from gpt2train.data import TokenLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from conftest import load_ckpt, make_rows, step_losses, tiny_args, write_rows, write_shards  # noqa: E402
 from train_gpt2 import main  # noqa: E402
@@ -56,7 +56,7 @@ def test_each_plan_trains(name, plan):
     losses = []
     for step in range(20):
         x, y = counting_batch(8, 64, seed=step)
-        losses.append(precision.train_step(model, optimizers, scaler, x, y, plan).loss)  # the trainer's step
+        losses.append(optim.train_step(model, optimizers, scaler, x, y, plan).loss)  # the trainer's step
     precision.set_tf32(False)
     assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
     assert losses[-1] < losses[0] - 1.0, (name, losses)
@@ -130,8 +130,8 @@ def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, dat
     loader = TokenLoader(data_dir, "train", 4, 64, vocab_size=SMALL.vocab_size)  # the toy shards: vocab 64
 
     def step():
-        loss = precision.accumulate_gradients(model, loader, 2, plan, scaler)
-        return precision.optimizer_step(optimizers, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(model, loader, 2, plan, scaler)
+        return optim.optimizer_step(optimizers, scaler, params, 1.0, 1.0, loss)
 
     step()  # the first step creates the optimizer state and the loss scale
     assert bench.count_syncs(step) <= 1
@@ -155,7 +155,7 @@ def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
     assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason
     x, y = memory.random_batch(b, 256, "cuda:0")
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
-    assert math.isfinite(precision.train_step(timed, optimizers, scaler, x, y, plan).loss)
+    assert math.isfinite(optim.train_step(timed, optimizers, scaler, x, y, plan).loss)
     torch._dynamo.reset()
 
 

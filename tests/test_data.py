@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from data import TokenLoader
+from gpt2train import data
+from gpt2train.data import TokenLoader
 from conftest import one_line
-from fileio import UserError
-from tokenizer import EOT, get_encoding
+from gpt2train.fileio import UserError
+from gpt2train.tokenizer import EOT, get_encoding
 
 SIZES = [37, 50, 23, 64, 41]  # odd sizes: every shard has a tail shorter than a row
 T = 4
@@ -331,11 +331,10 @@ def test_text_column_is_an_option_of_the_trainer(tmp_path, monkeypatch, capsys):
 
 def small_build(tmp_path):
     """A fineweb.py folder of several shards (with its manifest) from a local text."""
-    import fineweb
+    from gpt2train.shards import build
     (tmp_path / "book.txt").write_text(BOOK)
     out = str(tmp_path / "shards")
-    fineweb.build(fineweb.parse_args(["--source", str(tmp_path / "book.txt"), "--out_dir", out, "--prefix", "book",
-                                      "--shard_size", "8000", "--val_fraction", "0.1", "--num_proc", "1"]))
+    build(out, source=[str(tmp_path / "book.txt")], prefix="book", shard_size=8000, val_fraction=0.1, num_proc=1)
     return out
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import distributed
+from gpt2train import distributed
 from conftest import ROOT
-from distributed import DistEnv, agree, peer_failure, rank0_first
-from fileio import UserError
+from gpt2train.distributed import DistEnv, agree, peer_failure, rank0_first
+from gpt2train.fileio import UserError
 
 
 def spawn_two(target, *args, timeout=60):

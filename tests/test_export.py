@@ -7,7 +7,7 @@ import torch
 
 import model as model_py
 from conftest import random_model, save_ckpt
-from tokenizer import get_encoding
+from gpt2train.tokenizer import get_encoding
 
 PROMPT = "Hello, I'm a language model,"
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from fileio import replacing, replacing_dir, write_json
+from gpt2train.fileio import replacing, replacing_dir, write_json
 
 
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):

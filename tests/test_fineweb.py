@@ -10,9 +10,10 @@ import os
 import numpy as np
 import pytest
 
+from gpt2train import shards
 import fineweb
 from conftest import DOCS, snapshot, write_txt
-from tokenizer import EOT, get_encoding
+from gpt2train.tokenizer import EOT, get_encoding
 
 
 def reference(docs):
@@ -93,14 +94,14 @@ def test_stream_and_shard_layout(corpus, built):
 def test_encode_docs_matches_encode_ordinary():
     docs = ["plain", "", "has <|endoftext|> inside", "lone surrogate \ud800 here"]
     for batch in ([docs[0], docs[1]], docs, [docs[3]]):  # fast path, marker fallback, surrogate fallback
-        assert np.array_equal(fineweb.encode_docs(batch), reference(batch))
+        assert np.array_equal(shards.encode_docs(batch), reference(batch))
 
 
 def test_num_proc_2_is_byte_identical(corpus, built, tmp_path, monkeypatch):
-    monkeypatch.setattr(fineweb, "BATCH_CHARS", 100)  # many small batches through the pool
+    monkeypatch.setattr(shards, "BATCH_CHARS", 100)  # many small batches through the pool
     started = []
-    real_start_pool = fineweb.start_pool
-    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
+    real_start_pool = shards.start_pool
+    monkeypatch.setattr(shards, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
     out = str(tmp_path / "out")
     assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "2"]) == 0
     assert started == [2]
@@ -109,8 +110,8 @@ def test_num_proc_2_is_byte_identical(corpus, built, tmp_path, monkeypatch):
 
 def test_small_local_source_needs_no_pool(corpus, built, tmp_path, monkeypatch):
     started = []
-    real_start_pool = fineweb.start_pool
-    monkeypatch.setattr(fineweb, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
+    real_start_pool = shards.start_pool
+    monkeypatch.setattr(shards, "start_pool", lambda n: (started.append(n), real_start_pool(n))[1])
     out = str(tmp_path / "out")
     assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "8"]) == 0
     assert started == [1] and snapshot(out) == snapshot(built)
@@ -148,7 +149,7 @@ def test_max_tokens_stops_early(corpus, built, tmp_path):
 def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "out")
     argv = ["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]
-    real_write_shard, real_write_json = fineweb.write_shard, fineweb.write_json
+    real_write_shard, real_write_json = shards.write_shard, shards.write_json
     calls = []
 
     def write_shard_then_stop(path, tokens):
@@ -158,7 +159,7 @@ def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real_write_shard(path, tokens)
 
-    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    monkeypatch.setattr(shards, "write_shard", write_shard_then_stop)
     assert fineweb.main(argv) == 130
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert len(shards_in(out)) == 3 and not manifest["complete"]
@@ -167,19 +168,19 @@ def test_interrupted_run_resumes_byte_identical(corpus, built, tmp_path, monkeyp
 
     # second interruption: a shard renamed into place, then killed before the manifest lists it
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
+    monkeypatch.setattr(shards, "write_shard", recording(real_write_shard, calls))
 
     def write_json_then_stop(path, obj):
         if len(obj["shards"]) == 5:
             raise KeyboardInterrupt
         real_write_json(path, obj)
 
-    monkeypatch.setattr(fineweb, "write_json", write_json_then_stop)
+    monkeypatch.setattr(shards, "write_json", write_json_then_stop)
     assert fineweb.main(argv) == 130
     assert calls[0] == "edufineweb_train_000003.npy"  # the 3 complete shards were kept, not redone
 
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_json", real_write_json)
+    monkeypatch.setattr(shards, "write_json", real_write_json)
     assert fineweb.main(argv) == 0
     assert calls[0] == "edufineweb_train_000004.npy"  # shard 4 was on disk but not in the manifest: redone
     for name in os.listdir(out):
@@ -227,7 +228,7 @@ def test_val_fraction_takes_the_head_of_every_chunk(corpus, tmp_path, monkeypatc
     done = snapshot(out)
 
     # interrupted between a chunk's val and train shard: the whole chunk is redone, byte-identical
-    real_write_shard, calls = fineweb.write_shard, []
+    real_write_shard, calls = shards.write_shard, []
 
     def write_shard_then_stop(path, tokens):
         calls.append(os.path.basename(path))
@@ -235,11 +236,11 @@ def test_val_fraction_takes_the_head_of_every_chunk(corpus, tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real_write_shard(path, tokens)
 
-    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    monkeypatch.setattr(shards, "write_shard", write_shard_then_stop)
     assert fineweb.main(argv + [out2]) == 130
     assert calls[-1] == "edufineweb_train_000002.npy"
     calls.clear()
-    monkeypatch.setattr(fineweb, "write_shard", recording(real_write_shard, calls))
+    monkeypatch.setattr(shards, "write_shard", recording(real_write_shard, calls))
     assert fineweb.main(argv + [out2]) == 0
     assert calls[0] == "edufineweb_val_000002.npy"  # chunks 0 and 1 kept, chunk 2 redone from its val part
     assert snapshot(out2) == done
@@ -320,7 +321,7 @@ def test_token_that_does_not_fit_uint16(corpus, tmp_path, monkeypatch, capsys):
         def encode_to_numpy(self, text, allowed_special):
             return np.array([EOT, 70000], dtype=np.uint32)
 
-    monkeypatch.setattr(fineweb, "get_encoding", BigVocab)
+    monkeypatch.setattr(shards, "get_encoding", BigVocab)
     out = str(tmp_path / "out")
     assert "70000" in run_error(capsys, ["--source", *corpus[:2], "--out_dir", out, "--num_proc", "1"])
     assert not os.path.exists(out)
@@ -370,7 +371,7 @@ def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
     assert fineweb.main(argv + ["--out_dir", str(tmp_path / "a")]) == 0
     assert np.array_equal(concat(tmp_path / "a"), reference(rows))
 
-    real_write_shard = fineweb.write_shard
+    real_write_shard = shards.write_shard
     calls = []
 
     def write_shard_then_stop(path, tokens):
@@ -379,9 +380,9 @@ def test_dataset_path_streams_and_resumes(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_write_shard(path, tokens)
 
-    monkeypatch.setattr(fineweb, "write_shard", write_shard_then_stop)
+    monkeypatch.setattr(shards, "write_shard", write_shard_then_stop)
     assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 130
-    monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
+    monkeypatch.setattr(shards, "write_shard", real_write_shard)
     assert fineweb.main(argv + ["--out_dir", str(tmp_path / "b")]) == 0
     assert snapshot(tmp_path / "b") == snapshot(tmp_path / "a")
 
@@ -407,14 +408,14 @@ def test_a_folder_source_reads_its_text_files(corpus, built, tmp_path, capsys):
     (d / "empty.md").write_text("")
     (d / ".hidden.txt").write_text("secret")
     (d / ".git" / "HEAD.txt").write_text("ref")
-    assert fineweb.folder_files(folder) == sorted(corpus)
-    assert fineweb.folder_files(str(d)) == [str(d / f"doc{i:02d}.txt") for i in range(5)] + \
+    assert shards.folder_files(folder) == sorted(corpus)
+    assert shards.folder_files(str(d)) == [str(d / f"doc{i:02d}.txt") for i in range(5)] + \
         [str(d / "sub" / f"doc{i:02d}.txt") for i in range(5, 8)]
     out = str(tmp_path / "out")
     assert fineweb.main(["--source", str(d), "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]) == 0
     assert {f: b for f, b in snapshot(out).items() if f.endswith(".npy")} == \
         {f: b for f, b in snapshot(built).items() if f.endswith(".npy")}
-    manifest = json.load(open(os.path.join(out, fineweb.MANIFEST)))
+    manifest = json.load(open(os.path.join(out, shards.MANIFEST)))
     assert [os.path.basename(f["path"]) for f in manifest["settings"]["source"]["files"]] == \
         [f"doc{i:02d}.txt" for i in range(8)]
     (d / "nothing").mkdir()

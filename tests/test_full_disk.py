@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fineweb
-import logger
+from gpt2train import logger
 import model as model_py
 import train_gpt2
 from model import GPT

@@ -5,7 +5,7 @@ either accepted or refused with our one error type (fileio.UserError, one line),
     the HellaSwag row loader                 hellaswag.parse_row / load_examples
     the shard loader                         data.TokenLoader (load_shard)
     the checkpoint loader                    model.read_checkpoint / GPT.from_checkpoint
-    fineweb.py's manifest                    fineweb.verify (load_manifest)
+    fineweb.py's manifest                    shards.verify (load_manifest)
 
 Bounded (max_examples 60-80, no deadline) so that the suite stays fast: ~20 s on 2 cores.
 """
@@ -21,14 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import config
-import fineweb
+from gpt2train import shards
+from gpt2train import config
 import hellaswag
 from conftest import write_shards
-from data import TokenLoader
-from fileio import UserError
-from model import GPT, GPTConfig, read_checkpoint
-from tokenizer import get_encoding
+from gpt2train.data import TokenLoader
+from gpt2train.fileio import UserError
+from model import GPT, GPTConfig
+from gpt2train.checkpoint import read_checkpoint
+from gpt2train.tokenizer import get_encoding
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -256,7 +257,7 @@ shard_list = st.lists(json_value | shard_entry, max_size=3)
        raw=st.binary(max_size=50), use_raw=st.booleans())
 def test_manifest_is_read_or_refused(manifest, raw, use_raw, tmp_path_factory, capsys):
     d = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
-    with open(os.path.join(d, fineweb.MANIFEST), "wb") as f:
+    with open(os.path.join(d, shards.MANIFEST), "wb") as f:
         f.write(raw if use_raw else json.dumps(manifest).encode())
-    accepted_or_user_error(fineweb.verify, d)
+    accepted_or_user_error(shards.verify, d)
     capsys.readouterr()

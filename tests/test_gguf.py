@@ -24,11 +24,12 @@ import sys
 import pytest
 import torch
 
+from gpt2train import checkpoint
 import model as model_py
 import sample
 from conftest import cpu_plan, one_line, random_model, save_ckpt, tiny_args
 from model import GPT, GPTConfig
-from tokenizer import EOT, get_encoding
+from gpt2train.tokenizer import EOT, get_encoding
 from train_gpt2 import main as train
 
 gguf = pytest.importorskip("gguf")
@@ -114,7 +115,7 @@ def hf_f32(runs):
 
 
 def newest_model(run):
-    return GPT.load(model_py.newest_checkpoint(run), verbose=False).eval()
+    return GPT.load(checkpoint.newest_checkpoint(run), verbose=False).eval()
 
 
 def max_logit_diff(ours, hf):
@@ -214,7 +215,7 @@ def test_sources_checkpoint_run_folder_and_save_pretrained_dir(runs, hf_dir, tmp
     a checkpoint of the same weights: the files are byte for byte the same."""
     run, _ = runs["adamw"]
     ckpt = save_ckpt(GPT.load(hf_dir, verbose=False), tmp_path / "hf.pt")
-    for a, b in [(run, model_py.newest_checkpoint(run)), (hf_dir, ckpt)]:
+    for a, b in [(run, checkpoint.newest_checkpoint(run)), (hf_dir, ckpt)]:
         files = [str(tmp_path / name / "m.gguf") for name in ("a", "b")]  # the same file name: general.name
         for src, out in zip((a, b), files):
             assert quiet(model_py.main, ["export", src, out, "--type", "q8_0"]) == 0  # (it makes the folder)
@@ -226,7 +227,7 @@ def test_q8_0_is_smaller_than_f32_by_34_bytes_per_32_weights(tmp_path):
     goes from 4 bytes a weight to 34 per block of 32 (3.76x); the rest (header, the ~1.8 MB tokenizer,
     f32 vectors and position embedding) is the same in both files. Measured: f32 15,468,480 bytes, q8_0
     5,442,656 (2.84x for the whole file)."""
-    from gguf_export import write_gguf
+    from gpt2train.gguf_export import write_gguf
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=50304))
     f32, q8 = write_gguf(m, str(tmp_path / "a.gguf"), "f32"), write_gguf(m, str(tmp_path / "b.gguf"), "q8_0")

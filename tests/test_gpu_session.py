@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-import data
-import fineweb
+from gpt2train.shards import MANIFEST
+from gpt2train import data
 from conftest import ROOT, Launched
 
 SCRIPT = os.path.join(ROOT, "bench", "gpu_session.sh")
@@ -26,7 +26,7 @@ def corpus(tmp_path_factory):
 
 
 def split_tokens(path):
-    with open(os.path.join(path, fineweb.MANIFEST)) as f:
+    with open(os.path.join(path, MANIFEST)) as f:
         shards = json.load(f)["shards"]
     return {split: [s["tokens"] for s in shards if s["split"] == split] for split in ("train", "val")}
 
@@ -121,7 +121,7 @@ def test_stage2_smoke_builds_the_shards_and_trains(tmp_path):
     summary, record, _ = run_stage("stage2", tmp_path)
     val_rows = re.search(r"^shards val: .* (\d+) rows of seq_len 1024", summary, re.M)
     assert val_rows and int(val_rows[1]) >= 8, summary
-    assert record["shards"]["exit"] == 0 and (tmp_path / "fresh" / "stdlib_shards" / fineweb.MANIFEST).is_file()
+    assert record["shards"]["exit"] == 0 and (tmp_path / "fresh" / "stdlib_shards" / MANIFEST).is_file()
     assert re.search(r"^train_bf16: 2 steps; median of steps 1-1: [\d,]+ tok/s, MFU n/a; no compile fallback", summary,
                      re.M), summary
     assert record["train_bf16"]["steps"] == 2 and record["train_bf16"]["exit"] == 0

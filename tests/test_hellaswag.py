@@ -14,10 +14,10 @@ import hellaswag
 from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
                        packable, packed_len, rows_of, score_one)
 from conftest import make_rows, save_ckpt, write_rows
-from fileio import UserError
+from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
-from precision import make_plan
-from tokenizer import get_encoding
+from gpt2train.precision import make_plan
+from gpt2train.tokenizer import get_encoding
 
 CPU = make_plan("cpu")
 

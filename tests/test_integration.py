@@ -10,8 +10,8 @@ import numpy as np
 import fineweb
 import hellaswag
 from conftest import ROOT, load_ckpt, make_rows, read_log, write_rows
-from tokenizer import EOT, get_encoding
-from data import TokenLoader
+from gpt2train.tokenizer import EOT, get_encoding
+from gpt2train.data import TokenLoader
 from train_gpt2 import main
 
 DOCS = [f"Document {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (5 + i % 7)) for i in range(40)]

@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-import logger
-import precision
+from gpt2train import logger
+from gpt2train import precision
 from conftest import read_log, tiny_args
 from train_gpt2 import main
 

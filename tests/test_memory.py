@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import bench
-import memory
-import precision
+from gpt2train import optim
+from gpt2train import memory
+from gpt2train import precision
 from conftest import cpu_plan, tiny_model_and_optimizer
-from fileio import UserError
-from memory import fit_micro_batch, param_counts, training_bytes_estimate
+from gpt2train.fileio import UserError
+from gpt2train.memory import fit_micro_batch, param_counts, training_bytes_estimate
 from model import GPT, GPTConfig, PRETRAINED
-from precision import default_plan
+from gpt2train.precision import default_plan
 
 FP16 = torch.float16
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
@@ -81,7 +82,7 @@ def test_estimated_micro_batch_is_the_largest_that_fits():
 
 def test_memory_summary_counts_the_tensors_on_cpu():
     model, opt = tiny_model_and_optimizer(vocab=50257)
-    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
     line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
@@ -254,7 +255,7 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
     assert [g["lr"] for g in opt.param_groups] == lrs
-    precision.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
 
 # -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import time
 
 from conftest import (LaunchedTree, alive, free_port, load_ckpt, read_log, step_losses, tiny_args, torchrun_env,
                       torchrun_workers, wait_for, write_shards)
-from model import read_checkpoint
+from gpt2train.checkpoint import read_checkpoint
 from train_gpt2 import main
 
 COMMON = dict(max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=0, max_lr=1e-3, min_lr=1e-4)

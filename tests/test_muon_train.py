@@ -9,10 +9,11 @@ import shutil
 import pytest
 import torch
 
+from gpt2train import optim
 import model as model_py
 from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args
 from model import GPT
-from tokenizer import get_encoding
+from gpt2train.tokenizer import get_encoding
 from train_gpt2 import main
 
 MUON = dict(optimizer="muon", muon_lr=2e-2)
@@ -128,13 +129,13 @@ def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
     """bench.py --memory/--fit and micro_batch_size=auto use training_bytes_estimate: its optimizer state
     is what the trainer's optimizers hold after a step (AdamW two fp32 buffers a parameter, Muon one a matrix)."""
     import bench
-    import memory
-    import precision
+    from gpt2train import memory
+    from gpt2train import precision
     plan = precision.make_plan("cpu", "fp32")
     settings = dict(bench.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
     raw, model, optimizers = bench.build(settings, "tiny", 32, "cpu", "cpu", optimizer)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    precision.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
+    optim.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
     held = memory.tensor_bytes(memory.optimizer_state_tensors(optimizers))
     estimate = memory.training_bytes_estimate(raw.config, 2, 32, optimizer=optimizer)["optimizer state"]
     n = sum(p.numel() for p in raw.parameters())

@@ -14,13 +14,13 @@ import os
 
 import pytest
 
-import config
+from gpt2train import config
 import hellaswag
 import sample
 import train_gpt2
 from conftest import one_line, tiny_args
-from config import Config, parse_args
-from fileio import UserError
+from gpt2train.config import Config, parse_args
+from gpt2train.fileio import UserError
 
 ROW = {"ctx": "A man is sitting on a roof. He", "label": 0,
        "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
@@ -184,8 +184,8 @@ def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_reci
     """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
     names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
     from conftest import tiny_model_and_optimizer
-    from memory import choose_micro_batch
-    from precision import make_plan
+    from gpt2train.memory import choose_micro_batch
+    from gpt2train.precision import make_plan
     model, optimizer = tiny_model_and_optimizer()
     with pytest.raises(UserError) as e:
         choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=False)
@@ -202,9 +202,9 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
     Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
     about with the micro-batch that fits; the OOM line on CPU names a smaller micro-batch, not auto."""
-    import memory
+    from gpt2train import memory
     from model import GPT, GPTConfig
-    from precision import make_plan
+    from gpt2train.precision import make_plan
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
     plan, said = make_plan("cpu"), []
     need = lambda b: memory.training_bytes_estimate(model.config, b, 1024, device_type="cpu")  # noqa: E731
@@ -246,7 +246,7 @@ def test_sample_and_hellaswag_skip_a_run_folders_unreadable_newest_checkpoint(ru
 def test_silent_choices_are_said(data_dir, tmp_path, monkeypatch, capsys):
     """Issue 31: --data=<folder> skipped .csv, .png and extensionless files without naming them; --precision=fp16
     on CPU was taken without a note (and runs far slower there)."""
-    import data
+    from gpt2train import data
     folder = tmp_path / "texts"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_text("alpha")
@@ -287,7 +287,7 @@ def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
     """Issue 31's cosmetic items: a skip warning cut mid-word ("This is an interna"); the --data cache's temp
     folder printed; "data_source": "python" in a --data run's config; val rows read twice without a word; a
     read-only out_dir exiting 1 (the machine's failure) rather than 2 (the user's to fix)."""
-    import checkpoint
+    from gpt2train import checkpoint
     bad = tmp_path / "ckpts"
     bad.mkdir()
     (bad / "ckpt_000004.pt").write_bytes(b"PK\x03\x04" + b"x" * 300)  # a zip's magic, then nothing a zip holds

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-import precision
+from gpt2train import precision
 from conftest import ROOT, one_line, tiny_args, write_shards
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use a GPU")
 
@@ -90,7 +90,7 @@ def test_trainer_on_cpu_on_purpose_still_trains(fake_smi, tmp_path):
 
 @pytest.mark.parametrize("args", [
     ["sample.py", "--model", "gpt2"],
-    ["hellaswag.py", "--bench"],
+    ["bench/hellaswag_bench.py"],
     ["bench.py", "--steps", "1"],
 ], ids=["sample", "hellaswag", "bench"])
 def test_every_script_says_the_same_line(fake_smi, args):

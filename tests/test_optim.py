@@ -6,10 +6,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import optim
-import precision
-from fileio import UserError
+from gpt2train import optim
+from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
+from conftest import configure_optimizers
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
 
@@ -29,7 +29,7 @@ def batch(seed=1, B=4, T=16):
 def train(model, optimizers, steps, scaler=None, lr_scale=1.0, start=0):
     losses = []
     for step in range(start, start + steps):
-        precision.set_lr(optimizers, lr_scale)
+        optim.set_lr(optimizers, lr_scale)
         x, y = batch(step % 3)
         _, loss = model(x, y)
         (scaler.scale(loss) if scaler else loss).backward()
@@ -48,7 +48,7 @@ def train(model, optimizers, steps, scaler=None, lr_scale=1.0, start=0):
 
 def test_adamw_is_configure_optimizers_bit_for_bit():
     a, b = tiny(), tiny()
-    ref = a.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
+    ref = configure_optimizers(a, 0.1, 6e-4, "cpu", verbose=False)
     (opt,) = optim.build_optimizers(b, "adamw", lr=6e-4, weight_decay=0.1, verbose=False)
     for g_ref, g in zip(ref.param_groups, opt.param_groups, strict=True):
         names = {id(p): n for n, p in a.named_parameters()}
@@ -59,7 +59,7 @@ def test_adamw_is_configure_optimizers_bit_for_bit():
     for step in range(3):
         for group in ref.param_groups:
             group["lr"] = 6e-4 * (step + 1) / 3
-        precision.set_lr([opt], (step + 1) / 3)
+        optim.set_lr([opt], (step + 1) / 3)
         for model, o in ((a, ref), (b, opt)):
             x, y = batch(step)
             model(x, y)[1].backward()
@@ -84,7 +84,7 @@ def test_muon_split_by_name():
     assert muon_opt.param_groups[0]["momentum"] == 0.9 and muon_opt.param_groups[0]["base_lr"] == 2e-3
     assert [g["base_lr"] for g in adamw.param_groups] == [1e-3, 1e-3]
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0]
-    precision.set_lr([adamw, muon_opt], 0.5)
+    optim.set_lr([adamw, muon_opt], 0.5)
     assert [g["lr"] for o in (adamw, muon_opt) for g in o.param_groups] == [5e-4, 5e-4, 1e-3]
     assert optim.split_params(model, "adamw")[0] == []
     with pytest.raises(UserError, match="adamw, muon"):

@@ -1,4 +1,4 @@
-"""precision.optimizer_step, the one step of the trainer, bench.py and the probes: where the optimizers
+"""optim.optimizer_step, the one step of the trainer, bench.py and the probes: where the optimizers
 can skip a non-finite step on the device (fused AdamW's found_inf, the GradScaler) the update is
 launched before the step's one host read; the skip semantics are the host path's, bit for bit."""
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import optim
+from gpt2train import optim
 from torch.utils._python_dispatch import TorchDispatchMode
-import precision
+from gpt2train import precision
 from conftest import tiny_model
 
 
@@ -19,7 +19,7 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
     opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = [p for p in model.parameters()]
-    assert precision.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
+    assert optim.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     out = []
     for step in range(steps):
@@ -27,7 +27,7 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
         loss.backward()
         if step in poison:
             model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = math.inf
-        out.append(precision.optimizer_step(opts, scaler, params, 1.0, 1.0, loss.detach(),
+        out.append(optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss.detach(),
                                             is_outlier=None if on_device else (lambda loss, norm: False)))
     return model, opts, out
 
@@ -95,11 +95,11 @@ def test_one_host_read_per_step(precision_name, optimizer):
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     params = list(model.parameters())
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
-    assert precision.skips_on_device(opts, None)
+    assert optim.skips_on_device(opts, None)
 
     def step():
-        loss = precision.accumulate_gradients(model, precision.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
-        return precision.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        return optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
     step()  # the optimizer state and the loss scale are made
     count = HostReads()
     with count:
@@ -121,10 +121,10 @@ def test_an_inf_in_adamw_alone_skips_muon_too_under_the_grad_scaler(fused, grad_
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
 
     def step(poison):
-        loss = precision.accumulate_gradients(model, precision.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
         if poison:
             model.transformer.wte.weight.grad[3, 5] = math.inf  # wte: AdamW's, not Muon's
-        return precision.optimizer_step(opts, scaler, params, grad_clip, 1.0, loss)
+        return optim.optimizer_step(opts, scaler, params, grad_clip, 1.0, loss)
     assert step(poison=False).applied  # the optimizers' state made
     weights = [p.detach().clone() for p in params]
     momentum = [s["momentum_buffer"].clone() for s in opts[1].state.values()]

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import precision
+from gpt2train import optim
+from gpt2train import checkpoint
 import train_gpt2
-from checkpoint import OutDirLock
+from gpt2train.checkpoint import OutDirLock
 from conftest import ROOT, LaunchedTree, alive, end_processes, one_line, read_log, tiny_args, wait_for
-from fileio import UserError, umask
+from gpt2train.fileio import UserError, umask
 
 TRAINER = os.path.join(ROOT, "train_gpt2.py")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -342,7 +342,7 @@ def test_an_injected_cuda_out_of_memory_is_one_line(data_dir, tmp_path, monkeypa
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.07 GiB. GPU 0 has a total capacity "
                                      "of 14.74 GiB of which 1.21 GiB is free.")
     monkeypatch.setattr(train_gpt2, "setup", on_cuda)
-    monkeypatch.setattr(precision, "accumulate_gradients", step)
+    monkeypatch.setattr(optim, "accumulate_gradients", step)
     before = files(out)
     capsys.readouterr()
     assert train_gpt2.main(tiny_args(data_dir, out, max_steps=12, eval_interval=0, checkpoint_interval=100,

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import precision
+from gpt2train import precision
 from conftest import ROOT
-from fileio import UserError
+from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
-from precision import (arch_supported, autocast, compile_model, compiles, default_plan, estimate_mfu, make_plan,
-                       peak_flops)
+from gpt2train.precision import (arch_supported, autocast, compile_model, compiles, default_plan, estimate_mfu,
+                                 make_plan, peak_flops)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -314,7 +314,7 @@ def test_emulated_plan_needs_a_gpu():
 
 
 def test_old_torch_is_one_line():
-    from precision import check_torch
+    from gpt2train.precision import check_torch
     check_torch("2.6.0")
     with pytest.raises(UserError, match=r"torch 2.5.1\+cu124 is too old: this trainer needs torch >= 2.6"):
         check_torch("2.5.1+cu124")
@@ -331,7 +331,7 @@ def test_compile_cache_dir_sits_beside_out_dir(tmp_path):
 
 
 COMPILE_TWICE = """import sys, torch
-import precision
+from gpt2train import precision
 precision.use_compile_cache(sys.argv[1])
 from torch._dynamo.utils import counters
 f = torch.compile(lambda x: (x.sin() * 2 + 1).relu().sum(), dynamic=False)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 
-from config import Config, config_sections
+from gpt2train.config import Config, config_sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import precision
+from gpt2train import precision
 import sample
 from model import GPT, GPTConfig
-from tokenizer import EOT, get_encoding
+from gpt2train.tokenizer import EOT, get_encoding
 
 PROMPT = "Hello, I'm a language model,"
 

@@ -17,12 +17,13 @@ import time
 import pytest
 import torch
 
-import guard
-import precision
-from conftest import ROOT, assert_same_state, load_ckpt, tiny_args, tiny_model
-from data import TokenLoader
-from precision import accumulate_gradients, make_plan, optimizer_step
-from guard import Guard
+from gpt2train import optim
+from gpt2train import guard
+from conftest import ROOT, assert_same_state, configure_optimizers, load_ckpt, tiny_args, tiny_model
+from gpt2train.data import TokenLoader
+from gpt2train.optim import accumulate_gradients, optimizer_step
+from gpt2train.precision import make_plan
+from gpt2train.guard import Guard
 from train_gpt2 import main
 
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -200,14 +201,14 @@ def test_torchrun_ctrl_c(data_dir, tmp_path):
 
 def signal_at(monkeypatch, calls):
     """Send this process SIGINT during the accumulate_gradients calls numbered in calls (0-based)."""
-    real, n = precision.accumulate_gradients, [0]
+    real, n = optim.accumulate_gradients, [0]
 
     def wrapped(*a, **k):
         if n[0] in calls:
             os.kill(os.getpid(), signal.SIGINT)
         n[0] += 1
         return real(*a, **k)
-    monkeypatch.setattr(precision, "accumulate_gradients", wrapped)
+    monkeypatch.setattr(optim, "accumulate_gradients", wrapped)
 
 
 def test_second_signal_while_saving_leaves_no_broken_file(data_dir, tmp_path, monkeypatch, capsys):
@@ -402,7 +403,7 @@ def test_absurd_learning_rate_stops_with_one_line(data_dir, tmp_path, capsys):
 
 def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, capsys):
     """Weights gone to inf (here: set so during step 3) are never saved: the next checkpoint stops the run."""
-    real, calls = precision.accumulate_gradients, []
+    real, calls = optim.accumulate_gradients, []
 
     def poisoned(model, loader, *a, **k):
         calls.append(1)
@@ -410,7 +411,7 @@ def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, 
             with torch.no_grad():
                 next(model.parameters())[0, 0] = float("inf")
         return real(model, loader, *a, **k)
-    monkeypatch.setattr(precision, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(optim, "accumulate_gradients", poisoned)
     out = str(tmp_path / "inf")
     assert main(args(data_dir, out, max_steps=8, checkpoint_interval=1, keep_last=0)) == 3
     err = capsys.readouterr().err
@@ -439,7 +440,7 @@ def test_guard_flags_outliers_once_its_window_is_full():
 def test_outlier_step_is_skipped(prec, data_dir):
     plan = make_plan("cpu", prec)
     model = tiny_model()
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     loader = TokenLoader(data_dir, "train", 2, 16)
     before = copy.deepcopy(model.state_dict())
@@ -462,7 +463,7 @@ def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):
     """A gradient spike at step 6 (gradients x 1000) is skipped when skip_outliers_z is set: the
     weights after step 6 are those before it, and the guard's history is in the checkpoint."""
     monkeypatch.setattr(guard, "OUTLIER_WINDOW", 4)
-    real, n = precision.accumulate_gradients, [0]
+    real, n = optim.accumulate_gradients, [0]
 
     def spiky(model, *a, **k):
         loss = real(model, *a, **k)
@@ -471,7 +472,7 @@ def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):
                 p.grad *= 1000
         n[0] += 1
         return loss
-    monkeypatch.setattr(precision, "accumulate_gradients", spiky)
+    monkeypatch.setattr(optim, "accumulate_gradients", spiky)
     out = str(tmp_path / "spike")
     assert main(args(data_dir, out, max_steps=7, checkpoint_interval=6, keep_last=0, skip_outliers_z=50.0)) == 0
     log = [r for r in rows(out) if "loss" in r]

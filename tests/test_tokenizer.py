@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 
-from tokenizer import EOT, TokenizerError, get_encoding, vocab_files, write_hf_tokenizer
+from gpt2train.tokenizer import EOT, TokenizerError, get_encoding, vocab_files, write_hf_tokenizer
 
 
 def test_known_ids():

@@ -40,20 +40,20 @@ READS = '''
 import json, os, sys
 import torch
 sys.path.insert(0, {root!r})
-import precision
+from gpt2train import optim
 import train_gpt2
 
 reads, marks = [0], []
 for name in ("item", "tolist"):  # every read of a tensor's values into Python by the project's code
     def counted(self, *a, _orig=getattr(torch.Tensor, name), **k):  # (not torch's: CPU AdamW reads its step counts)
-        reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) == {root!r}
+        reads[0] += os.path.dirname(sys._getframe(1).f_code.co_filename) in ({root!r}, {root!r} + '/gpt2train')
         return _orig(self, *a, **k)
     setattr(torch.Tensor, name, counted)
-accumulate = precision.accumulate_gradients
+accumulate = optim.accumulate_gradients
 def marked(*a, **k):  # called once per optimizer step, at its start
     marks.append(reads[0])
     return accumulate(*a, **k)
-precision.accumulate_gradients = marked
+optim.accumulate_gradients = marked
 code = train_gpt2.main(sys.argv[1:])
 with open(os.path.join({out!r}, "reads_" + os.environ["RANK"] + ".json"), "w") as f:
     json.dump([b - a for a, b in zip(marks, marks[1:])], f)

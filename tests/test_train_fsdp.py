@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-import memory
-import optim
+from gpt2train import memory
+from gpt2train import optim
 from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args, write_shards
 from model import GPT, GPTConfig
-from sharding import load_optimizer_state
+from gpt2train.sharding import load_optimizer_state
 from train_gpt2 import main
 
 COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,

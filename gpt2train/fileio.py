@@ -5,7 +5,7 @@ disk or Ctrl-C leaves the previous file as it was, never a half-written one unde
 What is written follows the user's umask, whatever the writer made the temp with: files 0666 & ~umask
 (0644 under umask 022), folders 0777 & ~umask.
 
-    from fileio import replacing, write_json
+    from gpt2train.fileio import replacing, write_json
     with replacing("out/ckpt_000100.pt") as tmp:
         torch.save(ckpt, tmp)
     write_json("out/config.json", {"n_layer": 12})

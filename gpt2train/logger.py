@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from fileio import UserError, naming, replacing, write_json
+from gpt2train.fileio import UserError, naming, replacing, write_json
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys

@@ -1,16 +1,23 @@
-"""The optimizers of a GPT: AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden
-matrices with AdamW on the rest ("muon"). Parameters go in by name, so states can be keyed by name.
+"""The optimizers of a GPT and THE optimizer step that the trainer, bench.py and the micro-batch probes run.
 
-The schedule contract: every param group carries "base_lr"; the trainer's one schedule (warmup +
-cosine) sets group["lr"] = group["base_lr"] * scale, scale = get_lr(step) / max_lr, in every optimizer
-(precision.set_lr, called by precision.optimizer_step)."""
+    from gpt2train import optim
+    optimizers = optim.build_optimizers(model, "muon", lr=6e-4, muon_lr=6e-3)   # [AdamW, Muon]
+    loss = optim.accumulate_gradients(model, loader, grad_accum, plan, scaler)  # forward/backward
+    stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss)
+
+AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the rest
+("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine): every param group's
+lr = its "base_lr" x the multiplier, in every optimizer."""
 import inspect
 import math
+from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from fileio import UserError
+from gpt2train.fileio import UserError
+from gpt2train.precision import autocast
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (bench/muon.md)
@@ -77,7 +84,7 @@ def in_stack(X, i, n, tall):
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype (see ns_dtype_for), batched over
     the matrices of a wide shape, the elementwise work done once over all of them (step_flat). Like fused
-    AdamW it takes found_inf (set by precision.optimizer_step or the GradScaler): nonzero skips the step on
+    AdamW it takes found_inf (set by optimizer_step or the GradScaler): nonzero skips the step on
     the device, weights and momentum left as they were, no host read."""
     # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same update, own dtype
 
@@ -223,3 +230,143 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
     elif verbose:
         print(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
     return optimizers
+
+# -----------------------------------------------------------------------------
+# the schedule: one multiplier of every optimizer's base lr
+
+
+def lr_multiplier(step, cfg):
+    """Linear warmup to 1 over warmup_steps, then cosine decay to min_lr / max_lr at max_steps."""
+    if not cfg.max_lr:
+        return 0.0
+    if step < cfg.warmup_steps:
+        lr = cfg.max_lr * (step + 1) / cfg.warmup_steps
+    elif step >= cfg.max_steps:
+        lr = cfg.min_lr
+    else:
+        ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
+        lr = cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.max_lr - cfg.min_lr)
+    return lr / cfg.max_lr  # as a ratio of max_lr, in the exact floats of build-nanogpt's get_lr
+
+
+def lrs(optimizers):
+    """Each optimizer's lr as it last stepped (its first group's), for the step line: [AdamW's, Muon's]."""
+    return [opt.param_groups[0]["lr"] for opt in optimizers]
+
+
+# -----------------------------------------------------------------------------
+# THE training step: gradients over the micro-batches, then one update of every optimizer
+
+
+def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar=None):
+    """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
+    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is read
+    before the previous one's backward is queued. Returns the mean loss (a tensor on the device).
+    bar (logger.micro_step_bar) is told of each micro-step done."""
+    loss_accum = torch.zeros((), device=plan.device)
+    x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
+    for micro_step in range(grad_accum):
+        sync = nullcontext() if not ddp or micro_step == grad_accum - 1 else model.no_sync()
+        with sync:
+            with autocast(plan):
+                _, loss = model(x, y)
+            if micro_step < grad_accum - 1:  # the next batch is gathered while the GPU runs this forward/backward
+                x, y = loader.next_batch(plan.device)
+            loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
+            loss_accum += loss.detach().float()
+            scaler.scale(loss).backward()  # a disabled GradScaler (bf16, fp32) returns the loss as it is
+        if bar is not None:
+            bar.update()
+    return loss_accum
+
+
+class Stepped(NamedTuple):
+    loss: float  # the step's mean loss
+    norm: float  # the gradient norm before clipping
+    applied: bool  # whether the update was applied
+    flags: list  # the values of optimizer_step's flags, read in the same transfer
+
+
+def skips_on_device(optimizers, is_outlier):
+    """Whether every update can be launched before the step's one host read, a non-finite step skipped
+    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused AdamW
+    and the outlier test decide on the host, after the read. With or without the GradScaler (fp16)."""
+    return is_outlier is None and all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers)
+
+
+def _update(optimizers, scaler, found_inf=None):
+    """Step every optimizer, then one loss-scale update (a no-op without the GradScaler, which backs off
+    when any optimizer's gradients held inf/nan). found_inf: a 0-d tensor, nonzero to skip, one for all
+    the optimizers (they take it as the GradScaler sets it). Never scaler.step: it judges each optimizer
+    on its own gradients, but the one clip over all of them spreads one's inf into the others' as 0 or nan."""
+    for opt in optimizers:
+        if found_inf is not None:
+            opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel; unscaled already
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+        else:
+            opt.step()
+    scaler.update()
+
+
+def set_lr(optimizers, scale):
+    """The schedule applied: every group's lr = its base_lr * scale (scale: lr_multiplier). A group built
+    without a base_lr takes its lr as one."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * scale
+
+
+def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None):
+    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
+    set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
+    one clip runs over all parameters, each optimizer steps, the loss scale is updated once. A step whose
+    loss or gradients hold inf/nan is skipped in every precision, by every optimizer together (the weights
+    never go non-finite; the clip would spread one optimizer's inf into the others' gradients);
+    is_outlier(loss, norm) -> True skips a finite step too (the loss scale is left as it is). flags: a
+    1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
+    allow (skips_on_device) the update is launched before the read, so the device never waits for the
+    host. Returns Stepped, read from the device in one transfer."""
+    set_lr(optimizers, lr_scale)
+    for opt in optimizers:
+        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
+        norm = norm.full_tensor()
+    read = torch.cat([loss.float().view(1), norm.float().to(loss.device).view(1)] +
+                     ([flags.float()] if flags is not None else []))  # (2 + flags,)
+    on_device = skips_on_device(optimizers, is_outlier)
+    if on_device:
+        found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
+        _update(optimizers, scaler, found_inf)
+    loss, norm, *flags = read.tolist()  # sync: the step's one host read
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
+    if not on_device:
+        if apply:
+            _update(optimizers, scaler)
+        else:
+            scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return Stepped(loss, norm, apply, flags)
+
+
+class FixedBatch:
+    """A loader that gives the same (x, y) every time: the benchmark's and the probes' data."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y  # (B, T), (B, T)
+
+    def next_batch(self, device):
+        return self.x, self.y
+
+
+def train_step(model, optimizers, scaler, x, y, plan, grad_clip=1.0, lr_scale=1.0):
+    """One step of the trainer's own step functions on a fixed batch, no accumulation: what bench.py
+    times and the micro-batch probes run (lr_scale 0: no update, the weights stay as they are)."""
+    loss = accumulate_gradients(model, FixedBatch(x, y), 1, plan, scaler)
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss)

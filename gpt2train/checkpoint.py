@@ -1,5 +1,5 @@
 """
-A run's out_dir: its checkpoints (save, read, newest, prune), what a checkpoint changes on resume, and
+A run's out_dir: its checkpoint files (list, read, newest; save, prune), what a checkpoint changes on resume, and
 the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
@@ -15,22 +15,75 @@ import datetime
 import errno
 import json
 import os
+import pickle
 import re
 import socket
 import threading
 import time
+import zipfile
 
 import torch
 
-from config import SHAPE_KEYS as MODEL_KEYS
-from distributed import agree
-from fileio import UserError, replacing
-from model import checkpoint_files, held_steps, read_checkpoint
-from sharding import full_state, load_optimizer_state
+from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
+from gpt2train.distributed import agree
+from gpt2train.fileio import UserError, replacing
+from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum")
+
+
+def checkpoint_files(out_dir):
+    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
+    return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
+
+
+def held_steps(out_dir, warn=None):
+    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
+    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
+    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
+    held = []
+    for _, path in checkpoint_files(out_dir):
+        try:
+            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
+        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
+            why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
+            why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
+            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
+    return sorted(held, reverse=True)
+
+
+def newest_checkpoint(spec, warn=print):
+    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
+    readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
+    sample.py and hellaswag.py take a run folder this way."""
+    files = checkpoint_files(spec)
+    held = held_steps(spec, warn) if files else []
+    return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
+
+
+def read_checkpoint(path):
+    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
+    or one UserError line for a missing, truncated or foreign file."""
+    if os.path.isdir(path):
+        raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path!r} not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
+        complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
+        why = ((str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete
+               else "not a complete torch.save file")
+        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another "
+                        "file?)") from None
+    if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
+        raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")
+    return ckpt
 
 
 def checkpoint_path(out_dir, step):

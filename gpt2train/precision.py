@@ -1,7 +1,7 @@
 """
 Every hardware decision, in one place: which device, which GPU it is, and how to run on it.
 
-    from precision import resolve_device, make_plan, autocast
+    from gpt2train.precision import resolve_device, make_plan, autocast
     device = resolve_device("auto")                 # "cuda:0", "mps" or "cpu"; one clear error when unusable
     plan = make_plan(device, precision="auto")      # dtype, loss scaling, TF32, compile, attention kernels
     with autocast(plan):                            # the one autocast + SDPA-kernel context (all who run the model)
@@ -17,23 +17,20 @@ yes on a T4 where bf16 is emulated):
     sm60 (P100)                                       fp16 autocast + GradScaler (2x fp32 rate, no tensor cores)
     sm61/62 (GTX 10xx, P40), older GPUs, CPU, MPS     fp32
 
-Also here: dtype names, the peak-FLOPs table for MFU, torch.compile with its probe, and the one
-training step (accumulate_gradients + optimizer_step over a list of optimizers) that the trainer,
-bench.py and the micro-batch probes all run. The memory estimate and the micro-batch finder are
-memory.py's. Imports torch and fileio only: every script may import it, it imports none of them.
+Also here: dtype names, the peak-FLOPs table for MFU, torch.compile with its probe. The one training
+step is optim.py's; the memory estimate and the micro-batch finder are memory.py's. Imports torch and
+fileio only: every module may import it, it imports none of them.
 """
 import dataclasses
-import math
 import os
 import re
 import shutil
 import subprocess
-from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
+from contextlib import contextmanager
 
 import torch
 
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)
@@ -430,120 +427,3 @@ def estimate_mfu(flops_per_tok, tokens_per_s, device_name, dtype, tf32=False):
     """Model FLOPs utilisation in [0, 1], or None where the peak is unknown."""
     peak = peak_flops(device_name, dtype, tf32)
     return None if peak is None else flops_per_tok * tokens_per_s / peak
-
-# -----------------------------------------------------------------------------
-# the one training step: gradients over the micro-batches, then one update of every optimizer
-
-
-def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar=None):
-    """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
-    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is read
-    before the previous one's backward is queued. Returns the mean loss (a tensor on the device).
-    bar (logger.micro_step_bar) is told of each micro-step done."""
-    loss_accum = torch.zeros((), device=plan.device)
-    x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
-    for micro_step in range(grad_accum):
-        sync = nullcontext() if not ddp or micro_step == grad_accum - 1 else model.no_sync()
-        with sync:
-            with autocast(plan):
-                _, loss = model(x, y)
-            if micro_step < grad_accum - 1:  # the next batch is gathered while the GPU runs this forward/backward
-                x, y = loader.next_batch(plan.device)
-            loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
-            loss_accum += loss.detach().float()
-            scaler.scale(loss).backward()  # a disabled GradScaler (bf16, fp32) returns the loss as it is
-        if bar is not None:
-            bar.update()
-    return loss_accum
-
-
-class Stepped(NamedTuple):
-    loss: float  # the step's mean loss
-    norm: float  # the gradient norm before clipping
-    applied: bool  # whether the update was applied
-    flags: list  # the values of optimizer_step's flags, read in the same transfer
-
-
-def skips_on_device(optimizers, is_outlier):
-    """Whether every update can be launched before the step's one host read, a non-finite step skipped
-    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused AdamW
-    and the outlier test decide on the host, after the read. With or without the GradScaler (fp16)."""
-    return is_outlier is None and all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers)
-
-
-def _update(optimizers, scaler, found_inf=None):
-    """Step every optimizer, then one loss-scale update (a no-op without the GradScaler, which backs off
-    when any optimizer's gradients held inf/nan). found_inf: a 0-d tensor, nonzero to skip, one for all
-    the optimizers (they take it as the GradScaler sets it). Never scaler.step: it judges each optimizer
-    on its own gradients, but the one clip over all of them spreads one's inf into the others' as 0 or nan."""
-    for opt in optimizers:
-        if found_inf is not None:
-            opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel; unscaled already
-            try:
-                opt.step()
-            finally:
-                del opt.grad_scale, opt.found_inf
-        else:
-            opt.step()
-    scaler.update()
-
-
-def set_lr(optimizers, scale):
-    """The schedule applied: every group's lr = its base_lr * scale (scale = schedule lr / max_lr; optim.py's
-    contract). A group built without a base_lr takes its lr as one."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group.setdefault("base_lr", group["lr"]) * scale
-
-
-def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None):
-    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
-    set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
-    one clip runs over all parameters, each optimizer steps, the loss scale is updated once. A step whose
-    loss or gradients hold inf/nan is skipped in every precision, by every optimizer together (the weights
-    never go non-finite; the clip would spread one optimizer's inf into the others' gradients);
-    is_outlier(loss, norm) -> True skips a finite step too (the loss scale is left as it is). flags: a
-    1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
-    allow (skips_on_device) the update is launched before the read, so the device never waits for the
-    host. Returns Stepped, read from the device in one transfer."""
-    set_lr(optimizers, lr_scale)
-    for opt in optimizers:
-        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
-        norm = norm.full_tensor()
-    read = torch.cat([loss.float().view(1), norm.float().to(loss.device).view(1)] +
-                     ([flags.float()] if flags is not None else []))  # (2 + flags,)
-    on_device = skips_on_device(optimizers, is_outlier)
-    if on_device:
-        found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
-        _update(optimizers, scaler, found_inf)
-    loss, norm, *flags = read.tolist()  # sync: the step's one host read
-    finite = math.isfinite(loss) and math.isfinite(norm)
-    apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
-    if not on_device:
-        if apply:
-            _update(optimizers, scaler)
-        else:
-            scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
-    return Stepped(loss, norm, apply, flags)
-
-
-class FixedBatch:
-    """A loader that gives the same (x, y) every time: the benchmark's and the probes' data."""
-
-    def __init__(self, x, y):
-        self.x, self.y = x, y  # (B, T), (B, T)
-
-    def next_batch(self, device):
-        return self.x, self.y
-
-
-def train_step(model, optimizers, scaler, x, y, plan, grad_clip=1.0, lr_scale=1.0):
-    """One step of the trainer's own step functions on a fixed batch, no accumulation: what bench.py
-    times and the micro-batch probes run (lr_scale 0: no update, the weights stay as they are)."""
-    loss = accumulate_gradients(model, FixedBatch(x, y), 1, plan, scaler)
-    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss)

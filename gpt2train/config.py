@@ -21,8 +21,8 @@ import types
 import inspect
 from dataclasses import dataclass
 
-import precision
-from fileio import UserError
+from gpt2train import precision
+from gpt2train.fileio import UserError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 Token shards to (B, T) batches for the trainer, and the shards it makes for itself: your own text
 (`--data=...`) and the quickstart's corpus, both tokenized by fineweb.py.
 
-    from data import TokenLoader
+    from gpt2train.data import TokenLoader
     loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, seed=1337)
     x, y = loader.next_batch()  # (B, T) int64 inputs, and their targets: the same rows one token on
 
@@ -25,8 +25,8 @@ import sysconfig
 import numpy as np
 import torch
 
-import fineweb
-from fileio import UserError, replacing_dir, write_json
+from gpt2train import shards
+from gpt2train.fileio import UserError, replacing_dir, write_json
 
 # -----------------------------------------------------------------------------
 # shards
@@ -53,17 +53,17 @@ def has_shards(data_dir):
 def check_shards(data_dir):
     """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a partial
     copy), with the ways to repair it; nothing without a manifest."""
-    problems = fineweb.startup_problems(data_dir)
+    problems = shards.startup_problems(data_dir)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"data_dir {data_dir!r}: {problems[0]}{more}, listed in its {fineweb.MANIFEST}: copy it "
+        raise UserError(f"data_dir {data_dir!r}: {problems[0]}{more}, listed in its {shards.MANIFEST}: copy it "
                         f"again if data_dir is a copy, or run the command that made it again, which redoes the shards "
-                        f"from there: {fineweb.repair_command(data_dir)}")
+                        f"from there: {shards.repair_command(data_dir)}")
 
 
 def shard_maxima(data_dir):
     """{shard name: its largest token id} from data_dir's manifest (fineweb.py writes it), {} without one."""
-    manifest = fineweb.load_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, fineweb.MANIFEST)) else None
+    manifest = shards.load_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, shards.MANIFEST)) else None
     return {s["name"]: s["max_token"] for s in manifest["shards"] if "max_token" in s} if manifest else {}
 
 # -----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def source_files(data):
         if not paths:
             raise UserError(f"--data={data}: no files match that pattern")
     elif os.path.isdir(data):
-        paths = fineweb.folder_files(data)  # the files fineweb.py --source=FOLDER reads
+        paths = shards.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         skipped = unknown_files(data)
         if skipped:  # named, so that a file the user meant to train on is not left out without a word
             print(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
@@ -217,7 +217,7 @@ def source_files(data):
     else:
         raise UserError(f"--data={data}: no such file or folder")
     for p in paths:
-        if not fineweb.known_kind(p):
+        if not shards.known_kind(p):
             raise UserError(f"--data: {p} is not .txt, .md, .py, .jsonl, .json or .parquet (optionally compressed)")
         if os.path.getsize(p) == 0:
             raise UserError(f"--data: {p} is empty")
@@ -228,9 +228,9 @@ def unknown_files(folder):
     """The files of a folder (hidden ones aside) that --data leaves out for their kind (.csv, .png, none)."""
     found = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # as fineweb.folder_files walks it
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # as shards.folder_files walks it
         found += [os.path.relpath(os.path.join(root, f), folder) for f in sorted(files)
-                  if not f.startswith(".") and not fineweb.known_kind(f)]
+                  if not f.startswith(".") and not shards.known_kind(f)]
     return found
 
 
@@ -245,9 +245,9 @@ def own_text_dir(data, out_dir):
 
 def split_rows(cache, T):
     """{split: rows of T+1 tokens} of a finished fineweb.py folder, from its manifest."""
-    with open(os.path.join(cache, fineweb.MANIFEST)) as f:
-        shards = json.load(f)["shards"]
-    return {split: sum(max(0, (s["tokens"] - 1) // T) for s in shards if s["split"] == split)
+    with open(os.path.join(cache, shards.MANIFEST)) as f:
+        listed = json.load(f)["shards"]
+    return {split: sum(max(0, (s["tokens"] - 1) // T) for s in listed if s["split"] == split)
             for split in ("train", "val")}
 
 
@@ -265,7 +265,7 @@ def check_rows(data, cache, T, rows):
     have = split_rows(cache, T)
     for split in ("val", "train"):
         if have[split] < rows:
-            with open(os.path.join(cache, fineweb.MANIFEST)) as f:
+            with open(os.path.join(cache, shards.MANIFEST)) as f:
                 tokens = sum(s["tokens"] for s in json.load(f)["shards"] if s["split"] == split)
             raise UserError(f"--data={data}: its {split} split is {tokens:,} tokens (the split is fixed by the text), "
                             f"{have[split]} row(s) of {T} + 1, fewer than the {rows} of one batch: add text, or lower "
@@ -286,7 +286,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
             and old.get("text_column", "text") == text_column
     except (OSError, ValueError, KeyError, TypeError):
         same = False
-    broken = same and fineweb.startup_problems(cache)  # a shard deleted or cut short: made again
+    broken = same and shards.startup_problems(cache)  # a shard deleted or cut short: made again
     if broken:
         print(f"data: {cache}: {broken[0]}: tokenizing {data} again")
     elif same:  # reused as it is, even when too small for this run: never split again for a seq_len
@@ -294,7 +294,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
         print(f"data: {data} as tokenized before, in {cache}")
         return
     if os.path.isdir(cache):  # ours (made here) but stale: replaced as a whole rather than mixed with old shards
-        ours = {CACHE_FILE, fineweb.MANIFEST, *fineweb.loose_shards(cache)}
+        ours = {CACHE_FILE, shards.MANIFEST, *shards.loose_shards(cache)}
         if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
     size = sum(s for _, s, _ in stamp["files"])
@@ -323,9 +323,8 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
 
 
 def tokenize_into(files, out_dir, shard_size, val_fraction, text_column="text"):
-    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", out_dir, "--prefix", "text",
-                                      "--shard_size", str(shard_size), "--val_fraction", str(val_fraction),
-                                      "--text_column", text_column]))
+    shards.build(out_dir, source=files, prefix="text", shard_size=shard_size, val_fraction=val_fraction,
+                 text_column=text_column)
 
 # -----------------------------------------------------------------------------
 # the quickstart corpus: Python's own help pages and standard library, offline
@@ -353,13 +352,13 @@ def prepare_python_corpus(data_dir):
     that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         return  # a file: shard_paths() says what to do instead
-    manifest = os.path.join(data_dir, fineweb.MANIFEST)
-    if has_shards(data_dir) and (not os.path.exists(manifest) or fineweb.load_manifest(data_dir).get("complete")):
-        broken = os.path.exists(manifest) and fineweb.startup_problems(data_dir)
+    manifest = os.path.join(data_dir, shards.MANIFEST)
+    if has_shards(data_dir) and (not os.path.exists(manifest) or shards.load_manifest(data_dir).get("complete")):
+        broken = os.path.exists(manifest) and shards.startup_problems(data_dir)
         if not broken:
             return
         print(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
-    foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", fineweb.MANIFEST}
+    foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", shards.MANIFEST}
     if foreign and not has_shards(data_dir):
         raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
                         f"is not built into it: to train on the text in it, use --data={data_dir}")
@@ -377,8 +376,8 @@ def prepare_python_corpus(data_dir):
     files += python_sources()
     print(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
           f"{len(files) - len(topics)} standard library modules")
-    fineweb.build(fineweb.parse_args(["--source", *files, "--out_dir", data_dir, "--prefix", "python", "--shard_size",
-                                      str(PYTHON_SHARD_SIZE), "--val_fraction", str(PYTHON_VAL_FRACTION)]))
+    shards.build(data_dir, source=files, prefix="python", shard_size=PYTHON_SHARD_SIZE,
+                 val_fraction=PYTHON_VAL_FRACTION)
 
 # -----------------------------------------------------------------------------
 

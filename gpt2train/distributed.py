@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fileio import UserError
+from gpt2train.fileio import UserError
 
 STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the ranks wait this long for rank 0's data prep, not dist_timeout
 

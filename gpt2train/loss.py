@@ -1,0 +1,160 @@
+"""
+The chunked cross-entropy: GPT-2's loss without the (B*T, vocab) logits and log-softmax, and its sizing.
+
+    from gpt2train.loss import chunked_cross_entropy, loss_chunk_rows
+    rows = loss_chunk_rows(B * T, vocab_size, budget_bytes, dtype)      # rows of logits a chunk holds
+    loss = chunked_cross_entropy(h, lm_head.weight, targets, rows)     # = F.cross_entropy(h @ W.T, targets)
+
+model.py's GPT.forward calls it; memory.py sizes it (loss_head_temp_bytes) without importing model.py.
+"""
+import torch
+from torch.nn import functional as F
+
+CE_CHUNK_ROWS = 1024  # the default chunk: 1024 x 50304 fp32 logits = 197 MiB
+
+# -----------------------------------------------------------------------------
+# chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
+#
+# The chunk loop is kept out of torch.compile (torch.compiler.disable, one graph break): traced, it was
+# unrolled into the graph, and inductor's compile time grew with the chunk count (tiny model, CPU,
+# 64x1024: 28.8 s at 1 chunk, 110.8 s at 64). When the model is compiled, the per-chunk body (chunk_loss:
+# the logits matmul, softmax, loss and dL/dlogits) is compiled on its own, one small graph reused by every
+# chunk of a size, so the (n, V) logits are read in one fused pass instead of ~10 (bench/loss_head_traffic.py).
+# Not a torch.library custom op (one graph, but a dispatch mode such as bench.LiveTensors no longer
+# sees its temporaries); not F.linear_cross_entropy (torch 2.13 has it, older supported ones do not;
+# it too runs eager under compile).
+
+def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
+    """Bytes one chunk of the chunked loss holds at once: its (rows, V) fp32 logits/probabilities
+    plus their copy in the compute dtype (none in fp32): the bf16 logits, then the bf16 dL/dlogits."""
+    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
+    return chunk_rows * vocab_size * (4 + cast)
+
+
+FP16_CHUNK_ROWS = 1024  # fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
+
+
+def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32):
+    """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64 rows each
+    (tensor-core shapes) when the budget allows 64, of at most budget_bytes each (loss_chunk_bytes);
+    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer."""
+    cap = CE_CHUNK_ROWS if budget_bytes is None else budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
+    cap = max(1, min(cap, FP16_CHUNK_ROWS if dtype == torch.float16 else cap))
+    if n_rows <= cap:
+        return n_rows  # one chunk
+    align = 64 if cap >= 64 else 1
+    cap -= cap % align
+    n_chunks = -(-n_rows // cap)
+    return -(-n_rows // (n_chunks * align)) * align  # ceil(n_rows / n_chunks), rounded up to align: still <= cap
+
+
+def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32):
+    """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh and
+    dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit dtype
+    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_); an (N, C) fp32."""
+    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
+    chunk = loss_chunk_bytes(min(chunk_rows, n_rows), vocab_size, dtype)
+    return chunk + 2 * cast * vocab_size * n_embd + n_rows * n_embd * 4
+
+
+@torch.compiler.disable
+def chunked_cross_entropy(h, weight, targets, chunk_rows=1024, body=None):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (N, C), weight (V, C), targets (N,),
+    chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run in the autocast dtype
+    (else weight's), the softmax in fp32, as autocast would run the unchunked version. body: chunk_loss
+    compiled (GPT.compile_loss_head), run for each chunk when gradients are recorded; None: eager."""
+    device_type = h.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad, body)
+
+
+def chunk_loss(hc, w, tgt, keep):
+    """One chunk's (summed loss, n_valid * dL/dlogits in hc's dtype) for hc (n, C), w (V, C), tgt (n, 1) and
+    keep (n,) bool: the body torch.compile turns into a matmul and one fused pass over the (n, V) logits."""
+    logits = (hc @ w.t()).float()  # (n, V)
+    top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+    exp = (logits - top).exp()  # (n, V)
+    total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
+    loss_sum = ((top + total.log() - logits.gather(1, tgt)).squeeze(1) * keep).sum()  # logsumexp - target logit
+    onehot = torch.arange(logits.size(1), device=logits.device) == tgt  # (n, V)
+    dlogits = exp * (keep[:, None] / total) - (onehot & keep[:, None]).float()  # softmax - one-hot; ignored rows 0
+    return loss_sum, dlogits.to(hc.dtype)  # (), (n, V)
+
+
+def chunk_loss_eager(hc, w, tgt, keep, need_grad=True):
+    """chunk_loss in place over one fp32 (n, V) buffer (the eager memory: loss_chunk_bytes); dlogits None
+    without need_grad."""
+    logits = (hc @ w.t()).float()  # (n, V)
+    target_logit = logits.gather(1, tgt)  # (n, 1)
+    top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+    exp = logits.sub_(top).exp_()  # (n, V) in place of the logits: one exp pass serves loss and grad
+    total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
+    loss_sum = ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
+    if not need_grad:
+        return loss_sum, None
+    # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it would flush small probabilities to 0
+    exp.mul_(keep[:, None] / total)
+    exp.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
+    return loss_sum, exp.to(hc.dtype)  # (n, V) n_valid * dL/dlogits, in the compute dtype
+
+
+def padded(rows, hc, tgt, keep):
+    """(hc, tgt, keep) grown to rows rows, the new ones ignored (zero dL/dlogits, no loss): a short last chunk
+    reuses the compiled graph of the full ones instead of compiling another."""
+    pad = rows - hc.size(0)
+    if pad == 0:
+        return hc, tgt, keep
+    return F.pad(hc, (0, 0, 0, pad)), F.pad(tgt, (0, 0, 0, pad)), F.pad(keep, (0, pad))  # (rows, C), (rows, 1), (rows,)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
+    logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into that chunk's
+    rows of dL/dh and added into one fp32 dL/dweight. backward only scales them, once, by the incoming
+    gradient (1/grad_accum, the loss scale) over n_valid. No second
+    lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and dL/dweight (V, C, fp32)
+    instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad, body=None):
+        N = h.size(0)
+        rows = min(N, FP16_CHUNK_ROWS if dtype == torch.float16 else chunk_rows, chunk_rows)
+        with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
+            h = h.detach()  # its slices would say requires_grad (views), the padded chunk not: one graph for both
+            w = weight.detach().to(dtype)  # (V, C)
+            valid = targets != -1  # (N,)
+            n_valid = valid.sum().float()
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_grad else None  # (N, C)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            for i in range(0, N, rows):
+                hc, keep = h[i:i + rows].to(dtype), valid[i:i + rows]  # (n, C), (n,)
+                tgt = targets[i:i + rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
+                if need_grad and body is not None:  # compiled: one graph, every chunk of this size
+                    hp, tp, kp = padded(rows, hc, tgt, keep)  # (rows, C), (rows, 1), (rows,)
+                    loss_sum, dlogits = body(hp, w, tp, kp)
+                    dlogits = dlogits[:hc.size(0)]  # (n, V); a short last chunk's padding rows dropped
+                else:
+                    loss_sum, dlogits = chunk_loss_eager(hc, w, tgt, keep, need_grad)
+                loss += loss_sum
+                if need_grad:
+                    if dtype == h.dtype:
+                        torch.mm(dlogits, w, out=grad_h[i:i + rows])  # (n, C)
+                    else:
+                        grad_h[i:i + rows] = dlogits @ w  # (n, C)
+                    if dtype == torch.float32:
+                        grad_w.addmm_(dlogits.t(), hc)  # (V, C), accumulated inside the matmul
+                    else:
+                        grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
+                    del dlogits  # the chunk goes before the next one comes
+            if need_grad:
+                ctx.save_for_backward(grad_h, grad_w, n_valid)  # n_valid * the gradients: backward divides
+            ctx.weight_dtype = weight.dtype
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_loss / n_valid  # (): one pass over each gradient for the mean and the incoming gradient
+        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None

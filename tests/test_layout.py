@@ -1,0 +1,76 @@
+"""The house's shape (issue 30): the commands at the root, the parts in gpt2train/, the imports pointing down only.
+Read from the source with ast (imports inside functions count too), so a lazy import cannot hide an arrow."""
+import ast
+import glob
+import os
+
+from conftest import ROOT
+
+COMMANDS = {"train_gpt2", "model", "fineweb", "hellaswag", "sample", "plot", "bench"}
+
+
+def modules():
+    """{module name: path}: root scripts by name ("model"), package modules dotted ("gpt2train.optim")."""
+    out = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    for p in glob.glob(os.path.join(ROOT, "gpt2train", "*.py")):
+        name = os.path.basename(p)[:-3]
+        if name != "__init__":
+            out[f"gpt2train.{name}"] = p
+    return out
+
+
+def imports(path, mods):
+    """The project modules path imports, by the names of modules()."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if node.level == 0 else f"gpt2train.{node.module}"
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):  # from . import x
+            names = [f"gpt2train.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in mods}
+    return found
+
+
+def graph():
+    mods = modules()
+    return {m: imports(p, mods) - {m} for m, p in mods.items()}
+
+
+def test_the_root_holds_the_seven_commands():
+    assert {m for m in modules() if "." not in m} == COMMANDS
+
+
+def test_no_package_module_imports_a_root_script():
+    upward = sorted(f"{m} -> {d}" for m, deps in graph().items() if m.startswith("gpt2train.")
+                    for d in deps if "." not in d)
+    assert upward == []
+
+
+def test_no_import_cycle():
+    g, state, cycles = graph(), {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(g[m]):
+            if state.get(d) == "open":
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+    assert "gpt2train.loss" in g["model"] and "model" not in g["gpt2train.memory"]  # the graph is read at all
+
+
+def test_the_checker_sees_an_upward_arrow(tmp_path):
+    """The reader finds `from model import X` inside a function (a lazy import is an arrow too)."""
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from model import GPT\n    from gpt2train import optim\n")
+    assert imports(str(p), modules()) == {"model", "gpt2train.optim"}
