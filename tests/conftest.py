@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from gpt2train import precision  # noqa: E402 - the repository's modules: after its root is on sys.path
+from gpt2train import optim  # noqa: E402 - the repository's modules: after its root is on sys.path
+from gpt2train import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -83,28 +84,28 @@ def one_line(err):
     return lines[-1]
 
 
-def tiny_model(seed=0):
-    """The model of tiny_args' runs."""
+TINY = dict(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)  # the model of tiny_args' runs
+
+
+def tiny_model(seed=0, **shape):
+    """The tiny GPT every test builds: tiny_args' model, with shape's GPTConfig fields changed."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+    return GPT(GPTConfig(**{**TINY, **shape}))
+
+
+def adamw(model, lr=1e-3, weight_decay=0.1):
+    """model's AdamW as the trainer builds it (optim.build_optimizers)."""
+    return optim.build_optimizers(model, "adamw", lr=lr, weight_decay=weight_decay, verbose=False)[0]
 
 
 def random_model(vocab_size=50304, seed=0):
     """A tiny GPT whose every weight is random (layer norms and biases too), so greedy decoding
     wanders through the vocabulary instead of repeating one token."""
-    torch.manual_seed(seed)
-    m = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    m = tiny_model(seed, block_size=64, vocab_size=vocab_size, n_layer=2).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0.0, 0.1)
     return m
-
-
-def tiny_model_and_optimizer(vocab=256):
-    """A tiny GPT and its AdamW (the probes' and the benchmark's kind of model)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=vocab, n_layer=1, n_head=2, n_embd=32))
-    return model, configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
 
 
 def cpu_plan(dtype):
@@ -185,10 +186,48 @@ def make_hf_gpt2(path, n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_si
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """Toy token shards (write_shards: a learnable noisy counter), one set per test module."""
+    """Toy token shards (write_shards: a learnable noisy counter), one set for the session: read, never written."""
     return write_shards(str(tmp_path_factory.mktemp("shards")))
+
+
+def straight_args(data_dir, out_dir, **over):
+    """tiny_args at a constant learning rate after its warmup (min_lr == max_lr), so that max_steps changes no
+    step: a run stopped at any step, resumed to any max_steps, matches the straight run step for step."""
+    kw = dict(min_lr=1e-2, eval_interval=3, val_steps=1, checkpoint_interval=2, keep_last=0)
+    return tiny_args(data_dir, out_dir, **{**kw, **over})
+
+
+@pytest.fixture(scope="session")
+def straight(data_dir, tmp_path_factory):
+    """straight_args' run, never interrupted: 8 steps, evals at 0, 3, 6 and 8, every 2nd step's checkpoint kept
+    (the folder). Tests compare their stopped, resumed or failed runs with it; none writes into it."""
+    import train_gpt2
+    out = str(tmp_path_factory.mktemp("straight"))
+    assert train_gpt2.main(straight_args(data_dir, out)) == 0
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == [f"ckpt_00000{s}.pt" for s in (2, 4, 6, 8)]
+    return out
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """DOCS as text files (their paths): fineweb.py's input."""
+    return write_txt(tmp_path_factory.mktemp("corpus"), DOCS)
+
+
+def build_shards(corpus, out, *flags):
+    """fineweb.py over corpus in 37-token shards, in this process (--num_proc 1); its exit code."""
+    import fineweb
+    return fineweb.main(["--source", *corpus, "--out_dir", str(out), "--shard_size", "37", "--num_proc", "1", *flags])
+
+
+@pytest.fixture(scope="session")
+def built(corpus, tmp_path_factory):
+    """The corpus tokenized once by build_shards (the folder); none writes into it."""
+    out = str(tmp_path_factory.mktemp("built") / "out")
+    assert build_shards(corpus, out) == 0
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -488,17 +527,3 @@ def pytest_sessionfinish(session, exitstatus):
             print("\n".join(lines), file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-
-def configure_optimizers(model, weight_decay, learning_rate, device_type, fused=None, verbose=True):
-    """build-nanogpt's AdamW for a GPT (it was GPT.configure_optimizers): weight decay on the 2-D tensors
-    only; an independent reference for optim.build_optimizers and the tests' plain optimizer."""
-    params = [p for p in model.parameters() if p.requires_grad]  # the tied weight comes once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if fused is None:
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    if verbose:
-        print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} parameters), "
-              f"{len(no_decay)} not decayed ({sum(p.numel() for p in no_decay):,}), fused AdamW: {fused}")
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)

@@ -23,7 +23,7 @@ import model as model_py
 import plot
 import sample
 import train_gpt2
-from conftest import ROOT, tiny_args, write_shards
+from conftest import ROOT, one_line, tiny_args, write_shards
 
 SCRIPTS = {"train": train_gpt2.main, "fineweb": fineweb.main, "hellaswag": hellaswag.main, "bench": bench.main,
            "sample": sample.main, "plot": plot.main, "export": lambda argv: model_py.main(["export", *argv])}
@@ -215,13 +215,6 @@ if not torch.cuda.is_available():
     CASES += [("name", "train", train(device="cuda"), "cuda"), ("name", "hellaswag", ["--device", "cuda"], "cuda")]
 
 
-def error_line(err):
-    """The one `error: ...` line of stderr (progress bars and warnings may come before it)."""
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("family, script, argv, names", CASES,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_one_line_naming_it(family, script, argv, names, paths, tmp_path, capsys):
@@ -231,7 +224,7 @@ def test_bad_input_is_one_line_naming_it(family, script, argv, names, paths, tmp
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert code == 2, (argv, out, err)
-    assert names.format(**paths) in error_line(err), (argv, err)
+    assert names.format(**paths) in one_line(err), (argv, err)
 
 
 def test_the_table_covers_every_script_and_family():
@@ -255,7 +248,7 @@ def test_entry_point_exits_2_with_one_line(script, argv, names, paths):
                        text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert "Traceback" not in r.stdout + r.stderr
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and names.format(**paths) in error_line(r.stderr)
+    assert r.stderr.count("\n") == 1 and names.format(**paths) in one_line(r.stderr)
 
 
 def test_nothing_is_written_on_bad_input(paths, capsys):

@@ -12,7 +12,7 @@ import torch
 import bench
 from gpt2train import optim
 from gpt2train import memory
-from conftest import ROOT, cpu_plan, tiny_model_and_optimizer
+from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
 from gpt2train.precision import default_plan
@@ -205,7 +205,8 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
         plan = default_plan("cpu")
         grads = []
         for order in bench.DDP_ORDERS:
-            model, opt = tiny_model_and_optimizer(vocab=50257)
+            model = tiny_model(vocab_size=50257)
+            opt = adamw(model)
             wrapped = bench.wrap_ddp(model, order, None, backend="eager")
             if order == "DDP(compile(model))":
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model

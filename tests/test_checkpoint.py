@@ -1,19 +1,30 @@
 """checkpoint.py: the atomic save, the newest readable checkpoint, pruning, the RNG state, the finite
-check, and THE resume decision (resume_overrides): what a checkpoint fixes of a run, returned, never
-written into the frozen Config."""
+check, THE resume decision (resume_overrides): what a checkpoint fixes of a run, returned, never
+written into the frozen Config; and the out_dir lock (one live run per out_dir; runs that hold it:
+tests/test_out_dir.py).
+
+    python -m pytest -q tests/test_checkpoint.py
+"""
 import dataclasses
 import errno
+import json
 import os
+import re
 import shutil
+import socket
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from gpt2train import checkpoint
 from gpt2train.config import Config, parse_args
-from conftest import configure_optimizers, load_ckpt, tiny_args, tiny_model
+from gpt2train.checkpoint import OutDirLock
+from conftest import adamw, end_processes, load_ckpt, tiny_args, tiny_model, wait_for
 from gpt2train.data import TokenLoader
-from gpt2train.fileio import UserError
+from gpt2train.fileio import UserError, umask
 from model import GPT, GPTConfig
 from gpt2train.precision import make_plan
 from gpt2train.optim import train_step
@@ -27,7 +38,7 @@ TINY_RUN = {"init_from": "scratch", "seq_len": 16, "total_batch_size": 64, "warm
 def trained_model(data_dir, steps=1):
     """tiny_args' model and AdamW after `steps` steps on data_dir (the optimizer then holds state), its loader."""
     model = tiny_model()
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
+    optimizer = adamw(model)
     loader = TokenLoader(data_dir, "train", 2, 16)
     for _ in range(steps):
         train_step(model, [optimizer], NO_SCALER, *loader.next_batch(), make_plan("cpu"))
@@ -76,7 +87,7 @@ def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch):
     shutil.copy(good, path)
     ckpt = load_ckpt(path)
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
+    optimizer = adamw(model)
 
     def dying_save(obj, f):
         f.write(b"half a checkpoint")
@@ -221,3 +232,86 @@ def test_resume_overrides_refuse_an_out_dir_of_unreadable_checkpoints(tmp_path, 
     with pytest.raises(UserError, match="holds ckpt_\\*.pt files but none is readable"):
         checkpoint.resume_overrides(str(tmp_path), cfg, given, say=said.append)
     assert len(said) == 1 and said[0].startswith(f"warning: skipping {tmp_path / 'ckpt_000004.pt'}")
+
+# -----------------------------------------------------------------------------
+# the out_dir lock
+
+
+def write_lock(out_dir, age_s=0, **held):
+    """out_dir/run.lock as another run would have left it, its mtime age_s seconds ago."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "run.lock")
+    with open(path, "w") as f:
+        json.dump(dict({"pid": 1, "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00"}, **held), f)
+    t = os.path.getmtime(path) - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+def test_which_locks_are_live_and_which_are_stale(tmp_path):
+    """Live: this host's holder still running as the same process; another host's lock beaten within STALE
+    seconds. Stale (taken over): a pid gone or reused by another program, another boot, another host's silence,
+    a lock half-written long ago. A live one is refused with its holder; a stale one is replaced by ours."""
+    me, out = OutDirLock().me, str(tmp_path / "out")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        wait_for(lambda: checkpoint._process_start(sleeper.pid), 30, "the sleeper's /proc entry")
+        live = {"pid": sleeper.pid, "boot_id": me["boot_id"], "process_start": checkpoint._process_start(sleeper.pid)}
+        cases = [  # (what the lock holds, its age in seconds, live?)
+            (live, 0, True),
+            (dict(live, process_start="1"), 0, False),  # the pid now belongs to another process
+            (dict(live, boot_id="another boot"), 0, False),  # the machine rebooted since
+            ({"pid": 2**22 + 7, "boot_id": me["boot_id"]}, 0, False),  # no such process
+            ({"pid": 4242, "host": "elsewhere"}, 10, True),  # another machine, heartbeat recent
+            ({"pid": 4242, "host": "elsewhere"}, OutDirLock.STALE + 60, False),  # another machine, silent
+        ]
+        for held, age, is_live in cases:
+            shutil.rmtree(out, ignore_errors=True)
+            write_lock(out, age, **held)
+            lock = OutDirLock()
+            if is_live:
+                holder = f"pid {held['pid']} on {held.get('host', socket.gethostname())}, since 2026-01-01"
+                with pytest.raises(UserError, match="is in use by a live run: " + re.escape(holder)):
+                    lock.acquire(out)
+                assert json.load(open(os.path.join(out, "run.lock")))["pid"] == held["pid"]  # left as it was
+            else:
+                lock.acquire(out)
+                try:
+                    assert json.load(open(os.path.join(out, "run.lock")))["pid"] == os.getpid(), held
+                finally:
+                    lock.release()
+                assert not os.path.exists(os.path.join(out, "run.lock"))
+        for age, is_live in ((1, True), (60, False)):  # half-written: a run killed while taking it
+            shutil.rmtree(out, ignore_errors=True)
+            write_lock(out)
+            open(os.path.join(out, "run.lock"), "w").write('{"pid": 12')
+            t = os.path.getmtime(os.path.join(out, "run.lock")) - age
+            os.utime(os.path.join(out, "run.lock"), (t, t))
+            if is_live:
+                with pytest.raises(UserError, match="in use by a live run: pid \\?"):
+                    OutDirLock().acquire(out)
+            else:
+                lock = OutDirLock().acquire(out)
+                lock.release()
+    finally:
+        end_processes([sleeper.pid])
+        sleeper.wait()
+
+
+def test_a_lock_is_the_runs_own_and_goes_with_it(tmp_path):
+    """Taking it again in the same process is a no-op; release removes only our own lock, and the folders
+    acquire made for out_dir when they are left empty (a refused run leaves no out/ behind)."""
+    out = str(tmp_path / "out" / "my_book")
+    lock = OutDirLock().acquire(out)
+    try:
+        assert lock.acquire(out) is lock
+        assert json.load(open(os.path.join(out, "run.lock")))["pid"] == os.getpid()
+        assert stat.S_IMODE(os.stat(os.path.join(out, "run.lock")).st_mode) == 0o666 & ~umask()
+    finally:
+        lock.release()
+    assert os.listdir(tmp_path) == []  # out/my_book and out/, made for the run, gone with it
+    os.makedirs(out)
+    lock = OutDirLock().acquire(out)
+    write_lock(out, pid=12345)  # someone else's now (taken over while we were away): not ours to delete
+    lock.release()
+    assert os.path.exists(os.path.join(out, "run.lock"))

@@ -134,10 +134,11 @@ def test_help_lists_every_key_by_section(capsys):
 
 
 def test_help_from_the_command_line():
+    """`python train_gpt2.py --help`: config's help at the terminal's width (COLUMNS), nothing on stderr, exit 0."""
     res = subprocess.run([sys.executable, "train_gpt2.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and res.stdout.startswith("usage: python train_gpt2.py")
-    assert "--micro_batch_size int|auto" in res.stdout and "--precision auto|bf16|fp16|fp32" in res.stdout
+                         timeout=120, env=dict(os.environ, COLUMNS="100"))
+    assert res.returncode == 0 and res.stderr == ""
+    assert res.stdout == config.help_text(width=100) + "\n"
 
 
 def test_help_fits_an_80_column_terminal():

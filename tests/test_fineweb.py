@@ -8,11 +8,10 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 from gpt2train import shards
 import fineweb
-from conftest import DOCS, snapshot, write_txt
+from conftest import DOCS, one_line, snapshot, write_txt
 from gpt2train.tokenizer import EOT, get_encoding
 
 
@@ -44,26 +43,12 @@ def recording(write_shard, calls):
 
 
 def run_error(capsys, argv, code=2):
-    """main(argv) must fail with exit code 2 (bad input; 1: the machine's failure) and exactly one
-    'error: ...' line on stderr; returns that line."""
+    """fineweb.main(argv) refused with exit code `code` (2: bad input; 1: the machine's failure), its stderr nothing
+    but the tokenizing bar and one_line's error line; that line."""
     assert fineweb.main(argv) == code
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "tokenizing" not in line]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    return write_txt(d, DOCS)
-
-
-@pytest.fixture(scope="module")
-def built(corpus, tmp_path_factory):
-    """The corpus, tokenized once in 37-token shards with --num_proc 1."""
-    out = str(tmp_path_factory.mktemp("built") / "out")
-    assert fineweb.main(["--source", *corpus, "--out_dir", out, "--shard_size", "37", "--num_proc", "1"]) == 0
-    return out
+    err = capsys.readouterr().err
+    assert all("tokenizing" in x for x in [x for x in err.splitlines() if x.strip()][:-1]), err
+    return one_line(err)
 
 # -----------------------------------------------------------------------------
 

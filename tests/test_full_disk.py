@@ -19,7 +19,8 @@ from gpt2train import logger
 import model as model_py
 import train_gpt2
 from model import GPT
-from conftest import DOCS, ROOT, assert_same_state, random_model, save_ckpt, snapshot, tiny_args, write_txt
+from conftest import (ROOT, assert_same_state, build_shards, one_line, random_model, save_ckpt, snapshot,
+                      straight_args, tiny_args)
 
 def failing_on(call, real, write_half):
     """A stand-in for a writer that behaves as `real` except on its call-th call, where it writes
@@ -35,26 +36,12 @@ def failing_on(call, real, write_half):
     return writer
 
 
-def one_error_line(capsys):
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def no_debris(d):
     left = [f for f in os.listdir(d) if ".tmp" in f]
     assert not left, left
 
 # -----------------------------------------------------------------------------
 # the trainer: checkpoints and log.jsonl
-
-
-@pytest.fixture(scope="module")
-def straight(data_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("straight"))
-    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 0  # 8 steps, checkpoints at 4 and 8
-    return out
 
 
 def log_rows(out_dir):
@@ -64,17 +51,17 @@ def log_rows(out_dir):
 
 def test_checkpoint_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
-    monkeypatch.setattr(torch, "save", failing_on(2, torch.save, lambda obj, f: f.write(b"PK\x03\x04 half a zip")))
-    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 1
-    line = one_error_line(capsys)
+    monkeypatch.setattr(torch, "save", failing_on(4, torch.save, lambda obj, f: f.write(b"PK\x03\x04 half a zip")))
+    assert train_gpt2.main(straight_args(data_dir, out)) == 1  # its 4th checkpoint, at step 8, fails
+    line = one_line(capsys.readouterr().err)
     assert os.path.join(out, "ckpt_000008.pt") in line and "No space left on device; free some space" in line
     monkeypatch.undo()
-    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == ["ckpt_000004.pt"]  # the earlier one stays
-    no_debris(out)
-    assert_same_state(os.path.join(out, "ckpt_000004.pt"), os.path.join(straight, "ckpt_000004.pt"))
-    GPT.from_checkpoint(os.path.join(out, "ckpt_000004.pt"))  # loadable
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt_")) == [f"ckpt_00000{s}.pt" for s in (2, 4, 6)]
+    no_debris(out)  # the earlier ones stay
+    assert_same_state(os.path.join(out, "ckpt_000006.pt"), os.path.join(straight, "ckpt_000006.pt"))
+    GPT.from_checkpoint(os.path.join(out, "ckpt_000006.pt"))  # loadable
     # space again: the same command, continued, ends as the run that never failed
-    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0, resume="auto")) == 0
+    assert train_gpt2.main(straight_args(data_dir, out, resume="auto")) == 0
     assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
     assert log_rows(out) == log_rows(straight)
 
@@ -101,14 +88,14 @@ def test_log_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):
     """log.jsonl is appended to: the rows before the failed one stay, a half-written row is dropped on resume."""
     out = str(tmp_path / "run")
     monkeypatch.setattr(logger, "open", lambda *a, **k: FillingUp(open(*a, **k), 8), raising=False)
-    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0)) == 1
-    assert os.path.join(out, "log.jsonl") in one_error_line(capsys)
+    assert train_gpt2.main(straight_args(data_dir, out)) == 1
+    assert os.path.join(out, "log.jsonl") in one_line(capsys.readouterr().err)
     monkeypatch.undo()
     lines = open(os.path.join(out, "log.jsonl")).read().splitlines()
     assert len(lines) == 9 and not lines[-1].endswith("}")  # the 9th row (step 6's loss) cut in half;
     assert [{k: v for k, v in json.loads(line).items() if k not in ("dt_ms", "tok_per_s")} for line in lines[:-1]] \
         == log_rows(straight)[:8]  # the rows before it are whole
-    assert train_gpt2.main(tiny_args(data_dir, out, keep_last=0, resume="auto")) == 0
+    assert train_gpt2.main(straight_args(data_dir, out, resume="auto")) == 0
     assert log_rows(out) == log_rows(straight)
     assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
 
@@ -148,27 +135,11 @@ def test_a_real_checkpoint_write_error_is_one_line_and_exit_1(data_dir, straight
 # fineweb.py: shards and manifest.json
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_txt(tmp_path_factory.mktemp("corpus"), DOCS)
-
-
-def build(corpus, out):
-    return fineweb.main(["--source", *corpus, "--out_dir", str(out), "--shard_size", "37", "--num_proc", "1"])
-
-
-@pytest.fixture(scope="module")
-def reference_shards(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    assert build(corpus, out) == 0
-    return snapshot(out)
-
-
-def test_shard_on_a_full_disk(corpus, reference_shards, tmp_path, monkeypatch, capsys):
+def test_shard_on_a_full_disk(corpus, built, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     monkeypatch.setattr(np, "save", failing_on(3, np.save, lambda f, a: f.write(b"\x93NUMPY half")))
-    assert build(corpus, out) == 1
-    line = one_error_line(capsys)
+    assert build_shards(corpus, out) == 1
+    line = one_line(capsys.readouterr().err)
     assert "_train_000002.npy: No space left on device; free some space and run the same command again" in line
     monkeypatch.undo()
     no_debris(out)
@@ -177,20 +148,20 @@ def test_shard_on_a_full_disk(corpus, reference_shards, tmp_path, monkeypatch, c
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
     assert fineweb.main(["--verify", "--out_dir", str(out)]) == 0  # what is there matches it
     assert "INCOMPLETE" in capsys.readouterr().out
-    assert build(corpus, out) == 0  # space again: the same command resumes
-    assert snapshot(out) == reference_shards
+    assert build_shards(corpus, out) == 0  # space again: the same command resumes
+    assert snapshot(out) == snapshot(built)
 
 
-def test_manifest_on_a_full_disk(corpus, reference_shards, tmp_path, monkeypatch, capsys):
+def test_manifest_on_a_full_disk(corpus, built, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     monkeypatch.setattr(json, "dump", failing_on(2, json.dump, lambda obj, f, **kw: f.write('{"tokenizer": ')))
-    assert build(corpus, out) == 1
-    assert str(out / "manifest.json") in one_error_line(capsys)
+    assert build_shards(corpus, out) == 1
+    assert str(out / "manifest.json") in one_line(capsys.readouterr().err)
     monkeypatch.undo()
     no_debris(out)
     assert len(json.load(open(out / "manifest.json"))["shards"]) == 1  # the previous manifest, whole
-    assert build(corpus, out) == 0
-    assert snapshot(out) == reference_shards
+    assert build_shards(corpus, out) == 0
+    assert snapshot(out) == snapshot(built)
 
 # -----------------------------------------------------------------------------
 # model.py export
@@ -210,7 +181,7 @@ def test_export_on_a_full_disk(error, tmp_path, monkeypatch, capsys):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(GPT, "save_pretrained", dying_save_pretrained)
     assert model_py.main(["export", ckpt, out]) == 1
-    line = one_error_line(capsys)
+    line = one_line(capsys.readouterr().err)
     assert out in line and "No space left on device" in line
     monkeypatch.undo()
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # the previous export

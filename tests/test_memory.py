@@ -11,7 +11,7 @@ import bench
 from gpt2train import optim
 from gpt2train import memory
 from gpt2train import precision
-from conftest import cpu_plan, tiny_model_and_optimizer
+from conftest import adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
 from gpt2train.memory import fit_micro_batch, param_counts, training_bytes_estimate
 from model import GPT, GPTConfig, PRETRAINED
@@ -81,7 +81,8 @@ def test_estimated_micro_batch_is_the_largest_that_fits():
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
-    model, opt = tiny_model_and_optimizer(vocab=50257)
+    model = tiny_model(vocab_size=50257)
+    opt = adamw(model)
     optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
     line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
     params = list(model.parameters())
@@ -238,7 +239,8 @@ def test_search_skips_sizes_that_fail_when_timed():
 
 
 def test_auto_micro_batch_falls_back_on_cpu():
-    model, opt = tiny_model_and_optimizer()
+    model = tiny_model(vocab_size=256)
+    opt = adamw(model)
     b, reason, timed = memory.auto_micro_batch(model, [opt], 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
     assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
     with pytest.raises(ValueError, match="not divisible"):
@@ -246,7 +248,8 @@ def test_auto_micro_batch_falls_back_on_cpu():
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
-    model, opt = tiny_model_and_optimizer(vocab=50257)  # random_batch draws real GPT-2 token ids
+    model = tiny_model(vocab_size=50257)  # random_batch draws real GPT-2 token ids
+    opt = adamw(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lrs = [g["lr"] for g in opt.param_groups]
     seconds = memory.probe_steps(model, [opt], 2, 16, "cpu", default_plan("cpu"), steps=2)
@@ -292,7 +295,8 @@ def test_choose_micro_batch_shortens_seq_len_only_when_allowed():
 
 
 def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
-    model, opt = tiny_model_and_optimizer()
+    model = tiny_model(vocab_size=256)
+    opt = adamw(model)
     cpu = default_plan("cpu")
     assert memory.choose_micro_batch(model, [opt], cpu, 4, 32, 4096, world_size=2) == (4, 32, "", None)
     b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, 16, 32, 4096, world_size=2, auto=True)

@@ -183,10 +183,11 @@ def test_a_config_files_shape_keys_under_init_from_must_match_the_weights(data_d
 def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_recipe():
     """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
     names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
-    from conftest import tiny_model_and_optimizer
+    from conftest import adamw, tiny_model
     from gpt2train.memory import choose_micro_batch
     from gpt2train.precision import make_plan
-    model, optimizer = tiny_model_and_optimizer()
+    model = tiny_model(vocab_size=256)
+    optimizer = adamw(model)
     with pytest.raises(UserError) as e:
         choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=False)
     assert str(e.value).endswith(": --micro_batch_size=4 keeps 1,024 tokens per step (or --total_batch_size=2048 "

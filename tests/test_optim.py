@@ -1,5 +1,10 @@
-"""optim.py: AdamW as configure_optimizers built it, Muon's split, its Newton-Schulz dtype per plan, GradScaler."""
+"""optim.py: AdamW's decay groups, Muon's split, its Newton-Schulz dtype per plan, GradScaler; and the one training
+step (accumulate_gradients, optimizer_step): accumulation, skipping a non-finite step on the device or the host.
+
+    python -m pytest -q tests/test_optim.py
+"""
 import copy
+import math
 
 import pytest
 import torch
@@ -7,17 +12,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2train import optim
+from gpt2train import precision
+from conftest import adamw, tiny_model
+from gpt2train.data import TokenLoader
 from gpt2train.fileio import UserError
-from model import GPT, GPTConfig
-from conftest import configure_optimizers
-
-TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
-
-
-def tiny(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**TINY))
-
 
 def batch(seed=1, B=4, T=16):
     g = torch.Generator().manual_seed(seed)
@@ -46,32 +44,27 @@ def train(model, optimizers, steps, scaler=None, lr_scale=1.0, start=0):
     return losses
 
 
-def test_adamw_is_configure_optimizers_bit_for_bit():
-    a, b = tiny(), tiny()
-    ref = configure_optimizers(a, 0.1, 6e-4, "cpu", verbose=False)
-    (opt,) = optim.build_optimizers(b, "adamw", lr=6e-4, weight_decay=0.1, verbose=False)
-    for g_ref, g in zip(ref.param_groups, opt.param_groups, strict=True):
-        names = {id(p): n for n, p in a.named_parameters()}
-        assert [names[id(p)] for p in g_ref["params"]] == g["param_names"]  # the same tensors, in the same order
-        assert {k: v for k, v in g.items() if k not in ("params", "param_names", "base_lr")} == \
-               {k: v for k, v in g_ref.items() if k != "params"}
-        assert g["base_lr"] == 6e-4
-    for step in range(3):
-        for group in ref.param_groups:
-            group["lr"] = 6e-4 * (step + 1) / 3
-        optim.set_lr([opt], (step + 1) / 3)
-        for model, o in ((a, ref), (b, opt)):
-            x, y = batch(step)
-            model(x, y)[1].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            o.step()
-            o.zero_grad(set_to_none=True)
-    for (n, p), (m, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        assert n == m and torch.equal(p, q), n
+def test_adamw_decays_exactly_the_matrices(capsys):
+    """Zero gradients: AdamW's update is its weight decay alone. Each 2-D tensor (the matmuls and embeddings,
+    wte once though lm_head shares it) shrinks by lr * weight_decay at the schedule's lr (base_lr times the
+    scale); the biases and layer norms do not move."""
+    model = tiny_model(n_layer=2)
+    (opt,) = optim.build_optimizers(model, "adamw", lr=1e-2, weight_decay=0.1)
+    assert "AdamW, 10 tensors (" in capsys.readouterr().out  # wte(=lm_head), wpe, 4 matmuls per layer
+    params = list(model.parameters())
+    assert sorted(id(p) for g in opt.param_groups for p in g["params"]) == sorted(map(id, params))  # each once
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optim.set_lr([opt], 0.5)
+    opt.step()
+    for (name, p), b in zip(model.named_parameters(), before):
+        expected = b * (1 - 0.5 * 1e-2 * 0.1) if p.dim() == 2 else b
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-8, msg=name)
 
 
 def test_muon_split_by_name():
-    model = tiny()
+    model = tiny_model(n_layer=2)
     muon, decay, no_decay = optim.split_params(model, "muon")
     assert [n for n, _ in muon] == [f"transformer.h.{i}.{m}" for i in range(2) for m in optim.MUON_MATRICES]
     assert [n for n, _ in decay] == ["transformer.wte.weight", "transformer.wpe.weight"]  # wte is lm_head, once
@@ -92,7 +85,7 @@ def test_muon_split_by_name():
 
 
 def test_muon_trains_and_beats_nothing():
-    model = tiny()
+    model = tiny_model(n_layer=2)
     losses = train(model, optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=1e-2, verbose=False), 40)
     assert losses[-1] < 0.5 * losses[0], losses[::8]
 
@@ -116,14 +109,14 @@ def test_muon_update_is_torch_optim_muons():
 def test_batched_muon_equals_one_matrix_at_a_time(ns_dtype, tol):
     """The stacked step (same-shape matrices in one batched Newton-Schulz) against the per-matrix update (the
     previous code, kept for FSDP): the same weights and momentum after 3 steps, within the dtype's rounding."""
-    a, b = tiny(), tiny()
+    a, b = tiny_model(n_layer=2), tiny_model(n_layer=2)
     opt_a = optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
     opt_b = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
     opt_b[1]._step_supports_amp_scaling = False  # the one-matrix path
     assert len({p.shape for p in opt_a[1].param_groups[0]["params"]}) < len(opt_a[1].param_groups[0]["params"])
     train(a, opt_a, 3)
     train(b, opt_b, 3)
-    moved = max((p - q).abs().max().item() for p, q in zip(tiny().parameters(), b.parameters()))
+    moved = max((p - q).abs().max().item() for p, q in zip(tiny_model(n_layer=2).parameters(), b.parameters()))
     for p, q in zip(a.parameters(), b.parameters()):
         assert (p - q).abs().max().item() <= tol * moved
     for p in opt_a[1].param_groups[0]["params"]:
@@ -148,7 +141,7 @@ class MatmulShapes(TorchDispatchMode):
 def test_newton_schulz_runs_once_per_wide_shape():
     """One batched Newton-Schulz per wide shape: c_fc (4C, C), tall, joins c_proj (C, 4C) transposed, and
     c_attn (3C, C) is orthogonalized as (C, 3C): 3 stacks of n_layer (2 x n_layer for the MLP), 5 iterations."""
-    model = tiny()
+    model = tiny_model(n_layer=2)
     opts = optim.build_optimizers(model, "muon", verbose=False)
     x, y = batch()
     model(x, y)[1].backward()
@@ -179,7 +172,7 @@ class MatmulDtypes(TorchFunctionMode):
 def test_newton_schulz_runs_in_the_plans_dtype(plan_dtype, device_type, expected):
     ns_dtype = optim.ns_dtype_for(plan_dtype, device_type)
     assert ns_dtype == expected
-    model = tiny()
+    model = tiny_model(n_layer=2)
     opts = optim.build_optimizers(model, "muon", ns_dtype=ns_dtype, verbose=False)
     x, y = batch()
     model(x, y)[1].backward()
@@ -206,7 +199,7 @@ def test_fp16_newton_schulz_is_safe(scale):
 def test_grad_scaler_with_two_optimizers():
     """fp16's step path (unscale, clip, step each, update) equals the plain step where scaling is exact,
     and an inf in the Muon matrices' gradients skips Muon's step and halves the scale."""
-    a, b = tiny(), tiny()
+    a, b = tiny_model(n_layer=2), tiny_model(n_layer=2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     train(a, optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, verbose=False), 3)
     opts = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, verbose=False)
@@ -225,12 +218,12 @@ def test_grad_scaler_with_two_optimizers():
 
 
 def test_resume_from_state_dicts_is_bit_exact():
-    a = tiny()
+    a = tiny_model(n_layer=2)
     opts = optim.build_optimizers(a, "muon", lr=1e-2, verbose=False)
     train(a, opts, 2)
     saved = copy.deepcopy((a.state_dict(), [o.state_dict() for o in opts]))  # state_dict() holds live tensors
     train(a, opts, 2, start=2)
-    b = tiny(seed=5)
+    b = tiny_model(5, n_layer=2)
     b.load_state_dict(saved[0])
     opts_b = optim.build_optimizers(b, "muon", lr=1e-2, verbose=False)
     for o, s in zip(opts_b, saved[1]):
@@ -243,7 +236,7 @@ def test_resume_from_state_dicts_is_bit_exact():
 def test_torch_without_muon_is_one_line(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon")
     with pytest.raises(UserError, match=r"torch >= 2\.9"):
-        optim.build_optimizers(tiny(), "muon", verbose=False)
+        optim.build_optimizers(tiny_model(n_layer=2), "muon", verbose=False)
 
 
 def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
@@ -252,7 +245,7 @@ def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
     So a non-finite step skips every optimizer's step and only updates the scale (unscale_ recorded the
     inf), as the trainer must do."""
     def nan_in_wte():
-        model = tiny()
+        model = tiny_model(n_layer=2)
         opts = optim.build_optimizers(model, "muon", verbose=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         x, y = batch()
@@ -270,3 +263,240 @@ def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
     before = [p.clone() for p in model.parameters()]
     scaler.update()  # no scaler.step: the whole step is skipped
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters())) and scaler.get_scale() == 2.0 ** 9
+
+
+# -----------------------------------------------------------------------------
+# optim.optimizer_step, the one step of the trainer, bench.py and the probes: where the optimizers can skip a
+# non-finite step on the device (fused AdamW's found_inf, the GradScaler) the update is launched before the step's
+# one host read; the skip semantics are the host path's, bit for bit
+
+
+def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
+    """steps optimizer steps on fixed data, the gradients made inf at the steps in poison. on_device
+    False forces the host path (an outlier test that never fires). Returns (model, [Stepped])."""
+    model = tiny_model()
+    opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    params = [p for p in model.parameters()]
+    assert optim.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = []
+    for step in range(steps):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        if step in poison:
+            model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = math.inf
+        out.append(optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss.detach(),
+                                            is_outlier=None if on_device else (lambda loss, norm: False)))
+    return model, opts, out
+
+
+def test_on_device_skip_equals_the_host_path_bit_for_bit():
+    """Fused AdamW either way: launched before the read with found_inf, or decided on the host after it."""
+    a, opts_a, sa = run(4, fused=True, on_device=True)
+    b, opts_b, sb = run(4, fused=True, on_device=False)
+    assert [s.applied for s in sa] == [s.applied for s in sb] == [True, False, True, True]
+    assert [s.loss for s in sa] == [s.loss for s in sb] and math.isinf(sa[1].norm)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    state_a, state_b = opts_a[0].state_dict()["state"], opts_b[0].state_dict()["state"]
+    assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+    assert int(state_a[0]["step"]) == 3  # the skipped step is not counted
+
+
+def test_a_skipped_step_leaves_weights_and_state_as_they_were():
+    """The inf step on the device path changes nothing: same as a run without that step's update."""
+    a, _, _ = run(2, fused=True, on_device=True, poison=(1,))
+    b, _, _ = run(1, fused=True, on_device=True, poison=())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+
+
+@pytest.mark.parametrize("optimizer,fused", [("adamw", False), ("muon", True), ("muon", False)])
+def test_host_path_skips_too(optimizer, fused):
+    """Muon with fused AdamW skips on the device; beside a non-fused AdamW it is decided after the read."""
+    a, _, steps = run(2, fused=fused, on_device=True, optimizer=optimizer, poison=(1,))
+    b, _, _ = run(1, fused=fused, on_device=True, optimizer=optimizer, poison=())
+    assert [s.applied for s in steps] == [True, False]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_muon_on_device_skip_equals_the_host_path_bit_for_bit():
+    """Muon takes found_inf as fused AdamW does: launched before the read, the inf step skipped on the device,
+    weights and momentum as the host path leaves them."""
+    a, opts_a, sa = run(4, fused=True, on_device=True, optimizer="muon")
+    b, opts_b, sb = run(4, fused=True, on_device=False, optimizer="muon")
+    assert [s.applied for s in sa] == [s.applied for s in sb] == [True, False, True, True]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    state_a, state_b = opts_a[1].state_dict()["state"], opts_b[1].state_dict()["state"]
+    assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
+
+
+class HostReads(TorchDispatchMode):
+    """Counts aten._local_scalar_dense: .item(), a tensor's truth value (a sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_one_host_read_per_step(precision_name, optimizer):
+    """bf16 and fp16 (GradScaler) plans, AdamW and Muon: the update is launched before the step's one read
+    (loss and norm in one transfer); nothing else is read, the GradScaler's step of Muon included."""
+    plan = precision.make_plan("cpu", precision_name)
+    model = tiny_model()
+    opts = optim.build_optimizers(model, optimizer, lr=1e-3, fused=True, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
+    params = list(model.parameters())
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    assert optim.skips_on_device(opts, None)
+
+    def step():
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        return optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
+    step()  # the optimizer state and the loss scale are made
+    count = HostReads()
+    with count:
+        stepped = step()
+    assert stepped.applied and count.reads == 0  # the one read is .tolist(), which dispatches no op
+
+
+@pytest.mark.parametrize("fused,grad_clip", [(True, 1.0), (True, 0.0), (False, 1.0)])
+def test_an_inf_in_adamw_alone_skips_muon_too_under_the_grad_scaler(fused, grad_clip):
+    """fp16 + GradScaler, Muon beside AdamW: an inf in one AdamW gradient only. The one clip over all the
+    parameters turns Muon's gradients to 0 (grad_clip 1: max_norm / inf) or nan (no clip: inf / inf), so
+    judged on its own gradients Muon would step; every optimizer skips together, the scale backs off.
+    fused False: the host path (non-fused AdamW cannot skip on the device)."""
+    plan = precision.make_plan("cpu", "fp16")
+    model = tiny_model()
+    opts = optim.build_optimizers(model, "muon", lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=plan.grad_scaler)
+    params = list(model.parameters())
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def step(poison):
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        if poison:
+            model.transformer.wte.weight.grad[3, 5] = math.inf  # wte: AdamW's, not Muon's
+        return optim.optimizer_step(opts, scaler, params, grad_clip, 1.0, loss)
+    assert step(poison=False).applied  # the optimizers' state made
+    weights = [p.detach().clone() for p in params]
+    momentum = [s["momentum_buffer"].clone() for s in opts[1].state.values()]
+    scale = scaler.get_scale()
+    stepped = step(poison=True)
+    assert not stepped.applied and math.isinf(stepped.norm)
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))  # Muon's matrices included
+    assert all(torch.equal(s["momentum_buffer"], m) for s, m in zip(opts[1].state.values(), momentum))
+    assert all(torch.isfinite(p).all() for p in params)
+    assert scaler.get_scale() == scale / 2  # backed off once
+    assert step(poison=False).applied  # and the next step goes on
+    assert all(torch.isfinite(p).all() for p in params) and not all(torch.equal(p, w) for p, w in zip(params, weights))
+
+
+# -----------------------------------------------------------------------------
+# accumulation and the fp16/bf16/fp32 step on the toy shards
+
+CPU = precision.make_plan("cpu")
+
+
+def test_accumulated_gradients_equal_one_big_batch(data_dir):
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    small, big = tiny_model(), tiny_model()
+    optim.accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, CPU, scaler, ddp=False)
+    optim.accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, CPU, scaler, ddp=False)
+    for (name, p), q in zip(small.named_parameters(), big.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
+
+
+def adamw_step(model, optimizer, scaler, loss, grad_clip=1.0):
+    """The one optimizer step for model's AdamW alone, at the lr it was built with."""
+    return optim.optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=grad_clip, lr_scale=1.0,
+                                    loss=loss)
+
+
+def fp16_backward(model, scaler, data_dir):
+    x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, y)
+    scaler.scale(loss).backward()
+
+
+def test_fp16_unscales_before_clipping(data_dir):
+    model = tiny_model()
+    optimizer = adamw(model)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    fp16_backward(model, scaler, data_dir)
+    true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
+    before = copy.deepcopy(model.state_dict())
+    _, norm, applied, _ = adamw_step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
+    assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scaler.get_scale() == 65536.0
+
+
+def test_fp16_inf_step_is_skipped(data_dir):
+    model = tiny_model()
+    optimizer = adamw(model)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    fp16_backward(model, scaler, data_dir)
+    model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
+    before = copy.deepcopy(model.state_dict())
+    _, norm, applied, _ = adamw_step(model, optimizer, scaler, torch.tensor(1.0))
+    assert not math.isfinite(norm) and not applied
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert scaler.get_scale() == 32768.0  # backed off
+    assert all(p.grad is None for p in model.parameters())
+    fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
+    assert adamw_step(model, optimizer, scaler, torch.tensor(1.0)).applied
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("prec,where", [("fp32", "grad"), ("bf16", "grad"), ("fp32", "loss")])
+def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
+    """bf16/fp32 have no GradScaler to skip a bad step: optimizer_step must skip it itself."""
+    plan = precision.make_plan("cpu", prec)
+    model = tiny_model()
+    optimizer = adamw(model)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
+    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
+    if where == "grad":
+        model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
+    else:
+        loss = loss * float("inf")
+    before = copy.deepcopy(model.state_dict())
+    loss, norm, applied, _ = adamw_step(model, optimizer, scaler, loss)
+    assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
+    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
+    assert adamw_step(model, optimizer, scaler, loss).applied  # the next step goes on
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("prec", ["fp16", "fp32"])
+def test_outlier_step_is_skipped(prec, data_dir):
+    plan = precision.make_plan("cpu", prec)
+    model = tiny_model()
+    optimizer = adamw(model)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
+    loader = TokenLoader(data_dir, "train", 2, 16)
+    before = copy.deepcopy(model.state_dict())
+    loss = optim.accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
+    seen = []
+    params = list(model.parameters())
+    applied = optim.optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss,
+                                       lambda value, norm: seen.append((value, norm)) or True).applied
+    assert not applied and len(seen) == 1 and seen[0][1] > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+    if plan.grad_scaler:
+        assert scaler.get_scale() == 65536.0  # an outlier is not an overflow: the loss scale stays
+    loss = optim.accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
+    assert optim.optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss, lambda value, norm: False).applied
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,6 +1,7 @@
 """A run's out_dir, as a new user meets it (issue 24): one live run per out_dir (a second one refused, a
-killed one's lock taken over), your own text in one command after the quickstart, the --data cache's val
-split fixed by the text, out of memory in one line, files with the user's umask, and no process left.
+killed one's lock taken over; the lock itself: tests/test_checkpoint.py), your own text in one command after the
+quickstart, the --data cache's val split fixed by the text, out of memory in one line, files with the user's
+umask, and no process left.
 
 The trainer runs in subprocesses (the tiny CPU shapes of test_train), each ended by pid on every path.
 
@@ -9,7 +10,6 @@ The trainer runs in subprocesses (the tiny CPU shapes of test_train), each ended
 import dataclasses
 import json
 import os
-import re
 import resource
 import shutil
 import signal
@@ -26,9 +26,7 @@ import torch
 from gpt2train import optim
 from gpt2train import checkpoint
 import train_gpt2
-from gpt2train.checkpoint import OutDirLock
 from conftest import ROOT, LaunchedTree, alive, end_processes, one_line, read_log, tiny_args, wait_for
-from gpt2train.fileio import UserError, umask
 
 TRAINER = os.path.join(ROOT, "train_gpt2.py")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -143,85 +141,6 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_resume_auto_continues(dat
     assert torch.load(checkpoint.checkpoint_path(out, step + 4), weights_only=True)["step"] == step + 4
     assert not os.path.exists(lock)
 
-
-def write_lock(out_dir, age_s=0, **held):
-    """out_dir/run.lock as another run would have left it, its mtime age_s seconds ago."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "run.lock")
-    with open(path, "w") as f:
-        json.dump(dict({"pid": 1, "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00"}, **held), f)
-    t = os.path.getmtime(path) - age_s
-    os.utime(path, (t, t))
-    return path
-
-
-def test_which_locks_are_live_and_which_are_stale(tmp_path):
-    """Live: this host's holder still running as the same process; another host's lock beaten within STALE
-    seconds. Stale (taken over): a pid gone or reused by another program, another boot, another host's silence,
-    a lock half-written long ago. A live one is refused with its holder; a stale one is replaced by ours."""
-    me, out = OutDirLock().me, str(tmp_path / "out")
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    try:
-        wait_for(lambda: checkpoint._process_start(sleeper.pid), 30, "the sleeper's /proc entry")
-        live = {"pid": sleeper.pid, "boot_id": me["boot_id"], "process_start": checkpoint._process_start(sleeper.pid)}
-        cases = [  # (what the lock holds, its age in seconds, live?)
-            (live, 0, True),
-            (dict(live, process_start="1"), 0, False),  # the pid now belongs to another process
-            (dict(live, boot_id="another boot"), 0, False),  # the machine rebooted since
-            ({"pid": 2**22 + 7, "boot_id": me["boot_id"]}, 0, False),  # no such process
-            ({"pid": 4242, "host": "elsewhere"}, 10, True),  # another machine, heartbeat recent
-            ({"pid": 4242, "host": "elsewhere"}, OutDirLock.STALE + 60, False),  # another machine, silent
-        ]
-        for held, age, is_live in cases:
-            shutil.rmtree(out, ignore_errors=True)
-            write_lock(out, age, **held)
-            lock = OutDirLock()
-            if is_live:
-                holder = f"pid {held['pid']} on {held.get('host', socket.gethostname())}, since 2026-01-01"
-                with pytest.raises(UserError, match="is in use by a live run: " + re.escape(holder)):
-                    lock.acquire(out)
-                assert json.load(open(os.path.join(out, "run.lock")))["pid"] == held["pid"]  # left as it was
-            else:
-                lock.acquire(out)
-                try:
-                    assert json.load(open(os.path.join(out, "run.lock")))["pid"] == os.getpid(), held
-                finally:
-                    lock.release()
-                assert not os.path.exists(os.path.join(out, "run.lock"))
-        for age, is_live in ((1, True), (60, False)):  # half-written: a run killed while taking it
-            shutil.rmtree(out, ignore_errors=True)
-            write_lock(out)
-            open(os.path.join(out, "run.lock"), "w").write('{"pid": 12')
-            t = os.path.getmtime(os.path.join(out, "run.lock")) - age
-            os.utime(os.path.join(out, "run.lock"), (t, t))
-            if is_live:
-                with pytest.raises(UserError, match="in use by a live run: pid \\?"):
-                    OutDirLock().acquire(out)
-            else:
-                lock = OutDirLock().acquire(out)
-                lock.release()
-    finally:
-        end_processes([sleeper.pid])
-        sleeper.wait()
-
-
-def test_a_lock_is_the_runs_own_and_goes_with_it(tmp_path):
-    """Taking it again in the same process is a no-op; release removes only our own lock, and the folders
-    acquire made for out_dir when they are left empty (a refused run leaves no out/ behind)."""
-    out = str(tmp_path / "out" / "my_book")
-    lock = OutDirLock().acquire(out)
-    try:
-        assert lock.acquire(out) is lock
-        assert json.load(open(os.path.join(out, "run.lock")))["pid"] == os.getpid()
-        assert stat.S_IMODE(os.stat(os.path.join(out, "run.lock")).st_mode) == 0o666 & ~umask()
-    finally:
-        lock.release()
-    assert os.listdir(tmp_path) == []  # out/my_book and out/, made for the run, gone with it
-    os.makedirs(out)
-    lock = OutDirLock().acquire(out)
-    write_lock(out, pid=12345)  # someone else's now (taken over while we were away): not ours to delete
-    lock.release()
-    assert os.path.exists(os.path.join(out, "run.lock"))
 
 # -----------------------------------------------------------------------------
 # your own text, one command, after the quickstart

@@ -3,7 +3,6 @@
 resume command it prints continues it bit-identically to a run that was never interrupted; a second
 signal quits without leaving a broken file; time_limit; every resume rule; keep_last; divergence and
 outlier skipping. Every process started here is waited for with a time bound and killed by pid."""
-import copy
 import json
 import os
 import re
@@ -19,11 +18,7 @@ import torch
 
 from gpt2train import optim
 from gpt2train import guard
-from conftest import ROOT, assert_same_state, configure_optimizers, load_ckpt, tiny_args, tiny_model
-from gpt2train.data import TokenLoader
-from gpt2train.optim import accumulate_gradients, optimizer_step
-from gpt2train.precision import make_plan
-from gpt2train.guard import Guard
+from conftest import ROOT, assert_same_state, load_ckpt, straight_args
 from train_gpt2 import main
 
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -32,10 +27,8 @@ DDP_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
 
 
 def args(data_dir, out_dir, **over):
-    """A constant learning rate (no warmup, max_lr == min_lr), so that max_steps changes no step: a run
-    stopped at any step can be resumed to any max_steps and compared with a straight run to it."""
-    kw = dict(warmup_steps=0, max_lr=1e-2, min_lr=1e-2, eval_interval=3, val_steps=1, checkpoint_interval=0)
-    return tiny_args(data_dir, out_dir, **{**kw, **over})
+    """straight_args without its periodic checkpoints (checkpoint_interval=0, keep_last as the trainer's default)."""
+    return straight_args(data_dir, out_dir, **{"checkpoint_interval": 0, "keep_last": None, **over})
 
 
 def rows(out_dir):
@@ -52,15 +45,6 @@ def rows(out_dir):
 
 def ckpts(out_dir):
     return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
-
-
-@pytest.fixture(scope="module")
-def straight(data_dir, tmp_path_factory):
-    """8 steps, never interrupted, a checkpoint every 2 steps, all kept."""
-    out = str(tmp_path_factory.mktemp("straight"))
-    assert main(args(data_dir, out, max_steps=8, checkpoint_interval=2, keep_last=0)) == 0
-    assert ckpts(out) == ["ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt"]
-    return out
 
 
 def reference(data_dir, tmp_path, max_steps, launcher=None, env=ENV, **over):
@@ -419,44 +403,6 @@ def test_no_checkpoint_with_non_finite_weights(data_dir, tmp_path, monkeypatch, 
                           f"is not written: the run diverged (newest checkpoint: "
                           f"{os.path.join(out, 'ckpt_000003.pt')})"), err
     assert ckpts(out) == ["ckpt_000001.pt", "ckpt_000002.pt", "ckpt_000003.pt"] and all_finite(out)
-
-
-def test_guard_flags_outliers_once_its_window_is_full():
-    g = Guard(z=4.0, max_skipped=3)
-    for i in range(guard.OUTLIER_WINDOW - 1):
-        assert not g.is_outlier(100.0, 100.0)  # too little history: nothing is an outlier
-        assert not g.update(1.0 + 0.01 * (i % 7), 0.5 + 0.01 * (i % 5), applied=True)
-    g.update(1.0, 0.5, applied=True)
-    assert g.is_outlier(1.5, 0.5) and g.is_outlier(1.0, 5.0)
-    assert not g.is_outlier(1.03, 0.52) and not g.is_outlier(-50.0, 0.0)  # only spikes up
-    assert not Guard(z=0.0, max_skipped=3, state=g.state_dict()).is_outlier(1.5, 0.5)  # off
-    again = Guard(z=4.0, max_skipped=3, state=g.state_dict())
-    assert again.state_dict() == g.state_dict() and again.is_outlier(1.5, 0.5)
-    assert [g.update(float("nan"), 1.0, applied=False) for _ in range(3)] == [False, False, True]
-    assert len(g.history["loss"]) == guard.OUTLIER_WINDOW and not g.update(1.0, 0.5, applied=True)
-
-
-@pytest.mark.parametrize("prec", ["fp16", "fp32"])
-def test_outlier_step_is_skipped(prec, data_dir):
-    plan = make_plan("cpu", prec)
-    model = tiny_model()
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
-    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
-    loader = TokenLoader(data_dir, "train", 2, 16)
-    before = copy.deepcopy(model.state_dict())
-    loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
-    seen = []
-    params = list(model.parameters())
-    applied = optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss,
-                             lambda value, norm: seen.append((value, norm)) or True).applied
-    assert not applied and len(seen) == 1 and seen[0][1] > 0
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
-    if plan.grad_scaler:
-        assert scaler.get_scale() == 65536.0  # an outlier is not an overflow: the loss scale stays
-    loss = accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
-    assert optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss, lambda value, norm: False).applied
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_outlier_skipping_in_a_run(data_dir, tmp_path, monkeypatch):

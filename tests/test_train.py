@@ -1,7 +1,7 @@
 """train_gpt2.py end to end on CPU: the loop, fp16 + GradScaler, gradient accumulation, LR schedule,
 bit-exact resume, the one-line errors, the quickstart. Tiny models (1 layer, 32 wide, 64-token vocab).
-The config's own parsing is tests/test_config.py's; checkpoint files are tests/test_checkpoint.py's."""
-import copy
+The config's own parsing is tests/test_config.py's; checkpoint files are tests/test_checkpoint.py's; the step's
+pieces (accumulation, the fp16 step, skipping a non-finite step) are tests/test_optim.py's."""
 import json
 import math
 import os
@@ -13,64 +13,51 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2train.config import Config, parse_args
-from conftest import ROOT, configure_optimizers, load_ckpt, read_log, step_losses, tiny_args, tiny_model, write_shards
-from gpt2train.data import TokenLoader
-from model import GPT, GPTConfig
 from gpt2train import optim
-from gpt2train.optim import accumulate_gradients, optimizer_step
-from gpt2train.precision import make_plan
+from gpt2train.config import Config, parse_args
+from conftest import ROOT, load_ckpt, read_log, step_losses, straight_args, tiny_args, tiny_model, write_shards
+from model import GPT, GPTConfig
 from train_gpt2 import main
-
-CPU = make_plan("cpu")
-
-
-@pytest.fixture(scope="module")
-def straight_run(data_dir, tmp_path_factory):
-    """8 steps uninterrupted, checkpoints at 4 and 8 (shared by several tests)."""
-    out = str(tmp_path_factory.mktemp("straight"))
-    assert main(tiny_args(data_dir, out)) == 0
-    return out
 
 # -----------------------------------------------------------------------------
 # the loop, its outputs, resume
 
 
-def test_run_outputs(straight_run, capsys):
-    log = read_log(straight_run)
+def test_run_outputs(straight, capsys):
+    log = read_log(straight)
     steps = [e for e in log if "loss" in e]
     assert [e["step"] for e in steps] == list(range(8))
     assert set(steps[0]) == {"step", "loss", "lr", "norm", "dt_ms", "tok_per_s"}
-    assert [e["step"] for e in log if "val_loss" in e] == [0, 4, 8]
+    assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6, 8]  # every eval_interval=3 and at the end
     vals = [e["val_loss"] for e in log if "val_loss" in e]
     assert vals[-1] < vals[0] - 0.25  # the toy stream is learnable: training works (8 steps, shuffled rows)
     assert steps[0]["lr"] == pytest.approx(1e-2 / 2)
-    cfg = json.load(open(os.path.join(straight_run, "config.json")))["resolved"]
+    cfg = json.load(open(os.path.join(straight, "config.json")))["resolved"]
     assert cfg["n_layer"] == 1 and cfg["precision"] == "fp32" and cfg["device"] == "cpu"
-    ckpt = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt"))  # weights_only=True must work
+    ckpt = load_ckpt(os.path.join(straight, "ckpt_000008.pt"))  # weights_only=True must work
     assert {"model", "model_args", "optimizer", "scaler", "step", "config", "loader", "rng"} <= set(ckpt)
     assert ckpt["step"] == 8 and not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
-    model = GPT.from_checkpoint(os.path.join(straight_run, "ckpt_000008.pt"))  # model.py's loader reads it
+    model = GPT.from_checkpoint(os.path.join(straight, "ckpt_000008.pt"))  # model.py's loader reads it
     assert model.config == GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
-    assert not any(f.endswith(".tmp") for f in os.listdir(straight_run))
+    assert not any(f.endswith(".tmp") for f in os.listdir(straight))
 
 
-def test_resume_is_bit_exact(straight_run, data_dir, tmp_path):
+def test_resume_is_bit_exact(straight, data_dir, tmp_path):
     """8 steps straight == 4 steps (the checkpoint an interrupted run leaves) + resume + 4 steps."""
     out = str(tmp_path / "resumed")
     os.makedirs(out)
-    shutil.copy(os.path.join(straight_run, "ckpt_000004.pt"), out)
+    shutil.copy(os.path.join(straight, "ckpt_000004.pt"), out)
     with open(os.path.join(out, "log.jsonl"), "w") as f:
         f.write(json.dumps({"step": -1, "marker": True}) + "\n")
-    assert main(tiny_args(data_dir, out, resume="true")) == 0
+    assert main(straight_args(data_dir, out, resume="true")) == 0
     log = read_log(out)
     assert log[0] == {"step": -1, "marker": True}  # appended, never truncated
-    resumed, straight = step_losses(out), step_losses(straight_run)
+    resumed, straight_losses = step_losses(out), step_losses(straight)
     assert sorted(resumed) == [4, 5, 6, 7]
-    assert all(resumed[s] == straight[s] for s in resumed)  # bit-identical losses
-    straight_vals = [e["val_loss"] for e in read_log(straight_run) if e.get("step") == 8 and "val_loss" in e]
+    assert all(resumed[s] == straight_losses[s] for s in resumed)  # bit-identical losses
+    straight_vals = [e["val_loss"] for e in read_log(straight) if e["step"] > 4 and "val_loss" in e]  # 6 and 8
     assert [e["val_loss"] for e in log if "val_loss" in e] == straight_vals
-    a, b = load_ckpt(os.path.join(straight_run, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
+    a, b = load_ckpt(os.path.join(straight, "ckpt_000008.pt")), load_ckpt(os.path.join(out, "ckpt_000008.pt"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])  # bit-identical weights
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
@@ -83,11 +70,11 @@ def test_resume_needs_a_checkpoint(data_dir, tmp_path, capsys):
     assert err.startswith("error:") and "no ckpt_" in err and "\n" not in err
 
 
-def test_fp16_run_on_cpu(data_dir, straight_run, tmp_path):
+def test_fp16_run_on_cpu(data_dir, straight, tmp_path):
     """precision=fp16 on CPU: autocast + GradScaler through the whole loop, close to the fp32 run."""
     out = str(tmp_path)
-    assert main(tiny_args(data_dir, out, precision="fp16", max_steps=8, checkpoint_interval=0)) == 0
-    fp16, fp32 = step_losses(out), step_losses(straight_run)
+    assert main(straight_args(data_dir, out, precision="fp16", checkpoint_interval=0)) == 0
+    fp16, fp32 = step_losses(out), step_losses(straight)
     assert all(math.isfinite(v) for v in fp16.values())
     assert abs(fp16[0] - fp32[0]) < 0.02 and abs(fp16[7] - fp32[7]) < 0.1
     ckpt = load_ckpt(os.path.join(out, "ckpt_000008.pt"))
@@ -95,102 +82,16 @@ def test_fp16_run_on_cpu(data_dir, straight_run, tmp_path):
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
-def test_same_global_batch_same_run(data_dir, straight_run, tmp_path):
+def test_same_global_batch_same_run(data_dir, straight, tmp_path):
     """micro-batch 2 x 2 accumulation steps and micro-batch 4 x 1 step: the same optimizer steps."""
     out = str(tmp_path)
-    assert main(tiny_args(data_dir, out, micro_batch_size=4, max_steps=8, checkpoint_interval=0)) == 0
-    a, b = step_losses(out), step_losses(straight_run)
+    assert main(straight_args(data_dir, out, micro_batch_size=4, checkpoint_interval=0)) == 0
+    a, b = step_losses(out), step_losses(straight)
     assert all(abs(a[s] - b[s]) < 1e-5 for s in b)
 
 
 # -----------------------------------------------------------------------------
 # the pieces: accumulation, fp16 step, LR schedule
-
-
-def test_accumulated_gradients_equal_one_big_batch(data_dir):
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    small, big = tiny_model(), tiny_model()
-    accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, CPU, scaler, ddp=False)
-    accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, CPU, scaler, ddp=False)
-    for (name, p), q in zip(small.named_parameters(), big.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
-
-
-def test_next_micro_batch_is_read_before_the_backward(data_dir):
-    """The host gathers (and on CUDA queues the copy of) micro-batch k+1 while backward k can still run."""
-    events = []
-    model = tiny_model()
-    model.lm_head.weight.register_hook(lambda grad: events.append("backward"))
-    loader = TokenLoader(data_dir, "train", 2, 16)
-    read = loader.next_batch
-    loader.next_batch = lambda device="cpu": events.append("read") or read(device)
-    accumulate_gradients(model, loader, 3, CPU, torch.amp.GradScaler("cpu", enabled=False), ddp=False)
-    assert events == ["read", "read", "backward", "read", "backward", "backward"]
-
-
-def step(model, optimizer, scaler, loss, grad_clip=1.0):
-    """The one optimizer step for model's AdamW alone, at the lr it was built with."""
-    return optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=grad_clip, lr_scale=1.0, loss=loss)
-
-
-def fp16_backward(model, scaler, data_dir):
-    x, y = TokenLoader(data_dir, "train", 2, 16).next_batch()
-    with torch.autocast("cpu", dtype=torch.float16):
-        _, loss = model(x, y)
-    scaler.scale(loss).backward()
-
-
-def test_fp16_unscales_before_clipping(data_dir):
-    model = tiny_model()
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
-    scaler = torch.amp.GradScaler("cpu", enabled=True)
-    fp16_backward(model, scaler, data_dir)
-    true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
-    before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
-    assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert scaler.get_scale() == 65536.0
-
-
-def test_fp16_inf_step_is_skipped(data_dir):
-    model = tiny_model()
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
-    scaler = torch.amp.GradScaler("cpu", enabled=True)
-    fp16_backward(model, scaler, data_dir)
-    model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
-    before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = step(model, optimizer, scaler, torch.tensor(1.0))
-    assert not math.isfinite(norm) and not applied
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
-    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
-    assert scaler.get_scale() == 32768.0  # backed off
-    assert all(p.grad is None for p in model.parameters())
-    fp16_backward(model, scaler, data_dir)  # the next, finite step goes through
-    assert step(model, optimizer, scaler, torch.tensor(1.0)).applied
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-@pytest.mark.parametrize("prec,where", [("fp32", "grad"), ("bf16", "grad"), ("fp32", "loss")])
-def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
-    """bf16/fp32 have no GradScaler to skip a bad step: optimizer_step must skip it itself."""
-    plan = make_plan("cpu", prec)
-    model = tiny_model()
-    optimizer = configure_optimizers(model, 0.1, 1e-3, "cpu", verbose=False)
-    scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
-    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
-    if where == "grad":
-        model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
-    else:
-        loss = loss * float("inf")
-    before = copy.deepcopy(model.state_dict())
-    loss, norm, applied, _ = step(model, optimizer, scaler, loss)
-    assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
-    assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
-    loss = accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
-    assert step(model, optimizer, scaler, loss).applied  # the next step goes on
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_lr_schedule():

@@ -1,0 +1,180 @@
+"""The chunked cross-entropy and its sizing (chunk_rows for a memory budget, the temporaries' estimate): the same
+loss and gradients as F.cross_entropy of the whole logits, fp32 tight, under bf16/fp16 autocast to their rounding.
+
+    python -m pytest -q tests/test_loss.py
+"""
+import pytest
+import torch
+from torch.nn import functional as F
+
+from model import GPT, GPTConfig
+from gpt2train.loss import chunked_cross_entropy, loss_chunk_bytes, loss_chunk_rows, loss_head_temp_bytes
+
+
+def ce_inputs(N=37, C=16, V=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, C, generator=g).requires_grad_()
+    w = (0.5 * torch.randn(V, C, generator=g)).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::4] = -1  # masked rows, including the first of several chunks
+    return h, w, targets
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, 12, 37, 64, 1000])
+def test_chunked_cross_entropy_equals_f_cross_entropy_fp32(chunk_rows):
+    h, w, targets = ce_inputs()
+    ours = chunked_cross_entropy(h, w, targets, chunk_rows=chunk_rows)
+    ref = F.cross_entropy(h @ w.t(), targets, ignore_index=-1)
+    torch.testing.assert_close(ours, ref)
+    g_ours = torch.autograd.grad(3.0 * ours, (h, w))  # an incoming gradient other than 1 (1/grad_accum, loss scale)
+    g_ref = torch.autograd.grad(3.0 * ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+    assert g_ours[0][::4].abs().max() == 0  # masked rows get no gradient
+
+
+def test_chunked_cross_entropy_under_bf16_autocast():
+    h, w, targets = ce_inputs(N=64, C=32, V=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chunked_cross_entropy(h, w, targets, chunk_rows=16)
+        ref = F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)  # bf16 logits, fp32 softmax inside
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+    g_ours, g_ref = torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3 * b.abs().max().item())  # bf16: 8 mantissa bits
+
+
+def test_compiled_chunk_body_equals_f_cross_entropy_in_one_graph():
+    """GPT.compile_loss_head's body (inductor): the same loss and gradients as F.cross_entropy, fp32 and under
+    bf16 autocast, with a short last chunk padded into the same graph: one compile per dtype, no recompile."""
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(block_size=8, vocab_size=300, n_layer=1, n_head=2, n_embd=32))
+    model.compile_loss_head()
+    h, w, targets = ce_inputs(N=100, C=32, V=300)  # 64-row chunks: 64 + 36 (padded to 64)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for dtype, loose in ((torch.float32, False), (torch.bfloat16, True)):  # bf16: 8 mantissa bits
+        for _ in range(2):  # the second call compiles nothing
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                ours = chunked_cross_entropy(h, w, targets, 64, model.loss_body)
+                ref = F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)
+            torch.testing.assert_close(ours, ref, **(dict(rtol=1e-3, atol=1e-3) if loose else {}))
+            for a, b in zip(torch.autograd.grad(3.0 * ours, (h, w)), torch.autograd.grad(3.0 * ref, (h, w))):
+                tol = dict(rtol=2e-2, atol=2e-3 * b.abs().max().item()) if loose else {}
+                torch.testing.assert_close(a, b, **tol)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # fp32 and bf16, nothing else
+    model.compile_loss_head(None)
+    assert model.loss_body is None
+    torch._dynamo.reset()
+
+
+def test_chunked_cross_entropy_keeps_small_fp16_gradients():
+    """fp16 (the sm7x path): softmax / n_valid for 8192 rows of a 2048 vocab is ~6e-8, below fp16's
+    normal range; the 1/n_valid must come after the fp16 matmuls, or the gradients lose 3-5%."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(8192, 16, generator=g).requires_grad_()
+    w = (0.1 * torch.randn(2048, 16, generator=g)).requires_grad_()
+    targets = torch.randint(0, 2048, (8192,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours = chunked_cross_entropy(h, w, targets, chunk_rows=1024)
+    ref = F.cross_entropy(F.linear(h, w), targets)  # fp32 reference
+    for a, b in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 5e-3
+
+
+def test_chunked_loss_is_the_default_and_equals_the_full_one():
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16)
+    assert config.loss_impl == "chunked"
+    chunked, full = GPT(config), GPT(GPTConfig(**{**config.__dict__, "loss_impl": "full"}))
+    full.load_state_dict(chunked.state_dict())
+    idx, targets = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
+    targets[:, :5] = -1
+    logits, loss = chunked(idx, targets)
+    assert logits is None  # training never builds the (B, T, V) logits
+    logits_full, loss_full = full(idx, targets)
+    assert logits_full.shape == (3, 16, 100)
+    torch.testing.assert_close(loss, loss_full)
+    loss.backward()
+    loss_full.backward()
+    for (name, a), b in zip(chunked.named_parameters(), full.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    with torch.no_grad():  # evaluation: the same loss, no gradient work
+        torch.testing.assert_close(chunked(idx, targets)[1], loss_full)
+    assert torch.equal(chunked(idx)[0], full(idx)[0])  # without targets: logits from both
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_is_exact_at_the_chunk_sizes_loss_chunk_rows_picks(dtype):
+    """Every chunk size the budget can give (one chunk, equal chunks, a ragged last one): the same loss and
+    gradients as F.cross_entropy of the whole logits, fp32 tight, bf16 autocast to bf16 rounding."""
+    h, w, targets = ce_inputs(N=200, C=16, V=301)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w), targets, ignore_index=-1)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    for budget in (None, 1, loss_chunk_bytes(70, 301, dtype), loss_chunk_bytes(200, 301, dtype), 10**12):
+        rows = loss_chunk_rows(200, 301, budget, dtype)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.bfloat16):
+            ours = chunked_cross_entropy(h, w, targets, chunk_rows=rows)
+        g_ours = torch.autograd.grad(ours, (h, w))
+        tight = dtype == torch.float32
+        torch.testing.assert_close(ours, ref, **({} if tight else dict(rtol=1e-3, atol=1e-3)))
+        for a, b in zip(g_ours, g_ref):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, **({} if tight else dict(rtol=2e-2, atol=2e-3 * b.abs().max().item())))
+
+
+def test_loss_chunk_rows_fits_the_budget_in_few_equal_chunks():
+    V, N = 50304, 64 * 1024
+    assert loss_chunk_rows(N, V) == 1024  # no budget: 64 chunks of 1024 rows, as before
+    assert loss_chunk_bytes(1024, V) == 1024 * V * 4 and loss_chunk_bytes(1024, V, torch.bfloat16) == 1024 * V * 6
+    assert loss_chunk_rows(N, V, 10**12, torch.bfloat16) == N  # a big GPU: one chunk
+    assert loss_chunk_rows(100, V) == 100 and loss_chunk_rows(100, V, 1) == 1  # never more rows than exist, at least 1
+    for budget in (2**30, 4 * 2**30, 3 * 10**9, 123456789):
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = loss_chunk_rows(N, V, budget, dtype)
+            chunks = -(-N // rows)
+            assert loss_chunk_bytes(rows, V, dtype) <= budget  # fits
+            fewer = -(-N // (chunks - 1) // 64) * 64  # equal aligned rows for one chunk fewer: would not fit
+            assert loss_chunk_bytes(fewer, V, dtype) > budget or chunks == 1
+            assert rows % 64 == 0 and N - (chunks - 1) * rows > 0  # aligned, and no empty chunk
+    assert loss_chunk_rows(N, V, 2**30) == 5056  # 1 GiB of fp32 logits: 13 chunks
+    assert loss_chunk_rows(N, V, 2**30, torch.bfloat16) == 3456  # fp32 + bf16 per element: 19 chunks
+    assert loss_chunk_rows(N, V, 10**12, torch.float16) == 1024  # fp16: capped, the weight product must not overflow
+
+
+class PeakTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of new storages alive at once among those the ops under it create (as bench.LiveTensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs | set(self.refs):
+                s = t.untyped_storage()
+                self.refs[s.data_ptr()] = (torch.multiprocessing.reductions.StorageWeakRef(s), s.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
+        return out
+
+
+def test_loss_head_temporaries_stay_within_their_estimate():
+    """What the chunked loss allocates beyond what it keeps for backward (dL/dh, dL/dW fp32) is at most
+    loss_head_temp_bytes, counted op by op, in fp32 and bf16: one chunk of logits at a time."""
+    N, C, V = 256, 32, 3000
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (64, 100, 256):
+            h, w, targets = ce_inputs(N=N, C=C, V=V)
+            with PeakTensors() as counter:
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                    loss = chunked_cross_entropy(h, w, targets, chunk_rows=rows)
+            kept = N * C * 4 + V * C * 4
+            assert kept + loss_chunk_bytes(rows, V, dtype) <= counter.peak
+            assert counter.peak <= kept + loss_head_temp_bytes(N, V, C, rows, dtype)
+            del loss
