@@ -1,7 +1,6 @@
 """Shared fixtures and helpers (every test module imports them from here; none imports another test
 module): toy token shards and tiny runs, tiny models and their checkpoints, HellaSwag rows, text documents,
 and the processes a test starts. Everything here is local and offline."""
-import inspect
 import dataclasses
 import json
 import os
