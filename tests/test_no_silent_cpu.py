@@ -98,14 +98,14 @@ def test_every_script_says_the_same_line(fake_smi, args):
 
 
 def notebook_install_lines():
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "notebooks.md")) as f:
         return [line[1:].split("   #")[0] for line in f if "requirements" in line and line.startswith("!")
                 and "pip install" in line]
 
 
 def test_notebook_install_keeps_the_preinstalled_torch(tmp_path):
-    """The README's notebook cells install every requirement but torch: pip, offline, on this machine (where each
-    is installed) would install nothing, and the file it reads names no torch."""
+    """The notebook cells (docs/notebooks.md) install every requirement but torch: pip, offline, on this machine
+    (where each is installed) would install nothing, and the file it reads names no torch."""
     lines = notebook_install_lines()
     assert len(lines) == 2 and len(set(lines)) == 1, lines  # Colab's and Kaggle's, the same line
     make, install = lines[0].split(" && ")
