@@ -4,8 +4,13 @@ compiled, on the H200 plan and the sm75 plan. No GPU and no big memory: run from
 
     python bench/loss_head_traffic.py
 
-Eager: every op is counted on the meta device (its inputs read, its new outputs written, an in-place output
-written too; views free; gather and scatter_add_, which touch n of the n x V elements, left out, as
+Each plan is counted twice: with the fp32-out weight-gradient matmul (loss.addmm_fp32, aten's addmm with
+out_dtype, which has a meta kernel: counted like any op; fp16 chunks then grow to the memory share) and with the
+fallback where a device lacks it (a 16-bit (V, C) product added into the fp32 sum; fp16 chunks capped at 1024 rows).
+The sm75 plan's chunk rows are memory.loss_chunk's for a 15 GiB T4 on each path.
+
+Eager: every op is counted on the meta device (its inputs read, its new outputs written, an in-place or out=
+output written too; views free; gather and scatter_add_, which touch n of the n x V elements, left out, as
 /work/shared/tools/loss_traffic.py counts). Compiled: the ops around the body (the weight's cast, the dL/dh and
 dL/dW matmuls, the padding) are counted the same way; the body, chunk_loss, is compiled with inductor on the
 CPU at the chunk's shape (compiled, never run) and each kernel of inductor's schedule after fusion is charged
@@ -22,16 +27,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.getcwd())  # run from the project root
-from gpt2train import loss  # noqa: E402
-import model as M  # noqa: E402
+from gpt2train import loss, memory  # noqa: E402
+from gpt2train.precision import default_plan  # noqa: E402
 
 FREE = {"view", "t", "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "expand", "transpose",
         "_unsafe_view", "as_strided"}
-PLANS = [  # name, rows (B*T), chunk rows, compute dtype: the plans loss_traffic.py counts
+PLANS = [  # name, rows (B*T), chunk rows (None: memory.loss_chunk's for a T4), compute dtype
     ("H200 (bf16, 64x1024)", 65536, 21888, torch.bfloat16),
     ("H200 (bf16, 64x1024)", 65536, 13120, torch.bfloat16),
-    ("sm75 (fp16, 16x1024)", 16384, 1024, torch.float16),
+    ("sm75 (fp16, 16x1024)", 16384, None, torch.float16),
 ]
+T4 = default_plan("cuda:0", (7, 5), "Tesla T4", 15 * 2**30)  # the sm75 plan's card (precision.EMULATED_PLANS)
 V, C = 50304, 768  # padded vocab, 124M width
 
 
@@ -51,10 +57,13 @@ class Traffic(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self.paused or name in FREE:
             return out
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        kwargs = kwargs or {}
+        ins = [t for t in tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
+               if isinstance(t, torch.Tensor)]  # out= is written, not read (an addmm's self is read)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         b = sum(map(nbytes, ins)) + sum(nbytes(t) for t in outs if not any(t is i for i in ins))
-        b += sum(map(nbytes, outs)) if name.endswith("_") else 0  # in place: written too
+        b += sum(nbytes(t) for t in outs if any(t is i for i in ins)) if name.endswith("_") or "out" in kwargs \
+            else 0  # in place (or out= one of the inputs): written too
         self.bytes[name] += b
         self.calls[name] += 1
         return out
@@ -69,7 +78,8 @@ class Traffic(TorchDispatchMode):
 
 
 def around_body(N, rows, dtype, body):
-    """Traffic of ChunkedCrossEntropy.forward on meta tensors at (N, V, C); body None (eager) or a stub."""
+    """Traffic of ChunkedCrossEntropy.forward on meta tensors at (N, V, C); body None (eager) or a stub. Which
+    weight-gradient path it takes is the caller's (fp32_out)."""
     h = torch.empty(N, C, device="meta")  # fp32: ln_f's output under autocast
     w = torch.empty(V, C, device="meta")
     targets = torch.zeros(N, dtype=torch.long, device="meta")
@@ -128,6 +138,13 @@ def stub(rows_seen):
     return make
 
 
+@contextlib.contextmanager
+def fp32_out(available):
+    """The device has the fp32-out matmul (available) or not: loss's one decision, taken as given here."""
+    with mock.patch.object(loss, "fp32_out_matmul", lambda device, dtype: available):
+        yield
+
+
 def report(name, N, rows, dtype):
     eager = around_body(N, rows, dtype, None)
     seen = []
@@ -144,9 +161,9 @@ def report(name, N, rows, dtype):
 
 
 if __name__ == "__main__":
-    for plan in PLANS:
-        report(*plan)
-    from gpt2train.memory import LOSS_CHUNK_SHARE
-    rows = loss.loss_chunk_rows(16384, V, int(LOSS_CHUNK_SHARE * 15 * 2**30), torch.bfloat16)  # same bytes as fp16
-    with mock.patch.object(M, "FP16_CHUNK_ROWS", rows):  # what-if: a T4's chunk from its memory share, no fp16 cap
-        report("sm75 without the 1024-row fp16 cap (what-if)", 16384, rows, torch.float16)
+    for name, N, rows, dtype in PLANS:
+        for available in (True, False):
+            with fp32_out(available):
+                chunk = rows or memory.loss_chunk(T4, N, V)
+                report(f"{name}, {'fp32-out weight gradient' if available else 'fallback (16-bit product)'}",
+                       N, chunk, dtype)

@@ -7,6 +7,8 @@ The chunked cross-entropy: GPT-2's loss without the (B*T, vocab) logits and log-
 
 model.py's GPT.forward calls it; memory.py sizes it (loss_head_temp_bytes) without importing model.py.
 """
+import functools
+
 import torch
 from torch.nn import functional as F
 
@@ -34,12 +36,40 @@ def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
 FP16_CHUNK_ROWS = 1024  # fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
 
 
-def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32):
+def addmm_fp32(acc, a, b):
+    """acc += a @ b, in place, for a fp32 acc and 16-bit a, b: the product summed in fp32 inside the matmul and
+    added to acc there (aten's addmm with out_dtype: CUDA only), no 16-bit product tensor."""
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+@functools.cache
+def fp32_out_matmul(device, dtype):
+    """Whether addmm_fp32 runs on this device for this 16-bit dtype and gives the fp32 sum: a tiny probe, once per
+    (device, dtype) a process (older torch, a GPU without the kernel, the CPU: False; the caller keeps the
+    16-bit product and fp16's FP16_CHUNK_ROWS cap)."""
+    try:
+        with torch.autocast(device.type, enabled=False):  # the forward may ask first, under the model's autocast
+            a = torch.full((64, 8), 64, dtype=dtype, device=device)  # a.t() @ a: 64 * 64 * 64 = 262144 > 65504
+            acc = torch.ones(8, 8, device=device)
+            addmm_fp32(acc, a.t(), a)
+            return acc.dtype == torch.float32 and bool((acc == 262145).all().item())
+    except Exception:  # any failure means "not here", never a dead trainer
+        return False
+
+
+def fp16_capped(dtype, device):
+    """Whether a chunk's rows stay at FP16_CHUNK_ROWS: fp16 where the weight-gradient product is an fp16
+    tensor (no fp32-out matmul on device; device None: the cap, as if none)."""
+    return dtype == torch.float16 and (device is None or not fp32_out_matmul(torch.device(device), dtype))
+
+
+def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32, device=None):
     """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64 rows each
     (tensor-core shapes) when the budget allows 64, of at most budget_bytes each (loss_chunk_bytes);
-    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer."""
+    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer unless device has the
+    fp32-out matmul (fp16_capped)."""
     cap = CE_CHUNK_ROWS if budget_bytes is None else budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
-    cap = max(1, min(cap, FP16_CHUNK_ROWS if dtype == torch.float16 else cap))
+    cap = max(1, min(cap, FP16_CHUNK_ROWS) if fp16_capped(dtype, device) else cap)
     if n_rows <= cap:
         return n_rows  # one chunk
     align = 64 if cap >= 64 else 1
@@ -48,13 +78,15 @@ def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32):
     return -(-n_rows // (n_chunks * align)) * align  # ceil(n_rows / n_chunks), rounded up to align: still <= cap
 
 
-def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32):
+def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32, device=None):
     """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh and
     dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit dtype
-    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_); an (N, C) fp32."""
+    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_; none where device has
+    the fp32-out matmul: addmm_fp32); an (N, C) fp32."""
     cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
+    product = 0 if cast == 0 or device is not None and fp32_out_matmul(torch.device(device), dtype) else cast
     chunk = loss_chunk_bytes(min(chunk_rows, n_rows), vocab_size, dtype)
-    return chunk + 2 * cast * vocab_size * n_embd + n_rows * n_embd * 4
+    return chunk + (cast + product) * vocab_size * n_embd + n_rows * n_embd * 4
 
 
 @torch.compiler.disable
@@ -119,7 +151,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad, body=None):
         N = h.size(0)
-        rows = min(N, FP16_CHUNK_ROWS if dtype == torch.float16 else chunk_rows, chunk_rows)
+        fp32_out = dtype != torch.float32 and fp32_out_matmul(h.device, dtype)  # probed once per process
+        rows = min(N, chunk_rows, FP16_CHUNK_ROWS if fp16_capped(dtype, h.device) else chunk_rows)
         with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
             h = h.detach()  # its slices would say requires_grad (views), the padded chunk not: one graph for both
             w = weight.detach().to(dtype)  # (V, C)
@@ -145,6 +178,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                         grad_h[i:i + rows] = dlogits @ w  # (n, C)
                     if dtype == torch.float32:
                         grad_w.addmm_(dlogits.t(), hc)  # (V, C), accumulated inside the matmul
+                    elif fp32_out:
+                        addmm_fp32(grad_w, dlogits.t(), hc)  # (V, C), summed and accumulated in fp32 inside it
                     else:
                         grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
                     del dlogits  # the chunk goes before the next one comes

@@ -129,7 +129,7 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     if config.loss_impl == "full":
         head = B * T * V * (8 + (a if a == 2 else 0))
     else:
-        head = loss_head_temp_bytes(B * T, V, C, config.ce_chunk_rows, dtype)
+        head = loss_head_temp_bytes(B * T, V, C, config.ce_chunk_rows, dtype, device_type)
     per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1, activation_checkpointing="none"),
                                           B, T, dtype, device_type)[0] - activation_bytes_estimate(
         dataclasses.replace(config, n_layer=0, activation_checkpointing="none"), B, T, dtype, device_type)[0]
@@ -214,10 +214,11 @@ LOSS_CHUNK_SHARE = 0.05  # of the GPU's memory for one chunk of the loss head's 
 def loss_chunk(plan, rows, vocab_size):
     """Rows of logits the chunked loss head computes at a time for rows = B*T, decided from the device at every
     start-up (never a checkpoint's: another GPU's): few large chunks where the GPU has the memory
-    (LOSS_CHUNK_SHARE of it); elsewhere CE_CHUNK_ROWS (1024) (CPU: the numbers tests and the quickstart pin)."""
+    (LOSS_CHUNK_SHARE of it; fp16 capped at 1024 rows unless the GPU has the fp32-out matmul: loss.fp16_capped);
+    elsewhere CE_CHUNK_ROWS (1024) (CPU: the numbers tests and the quickstart pin)."""
     if plan.device_type != "cuda" or not plan.memory:
         return CE_CHUNK_ROWS
-    return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype)
+    return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype, plan.device)
 
 
 def on_device(config, plan, micro_batch, seq_len):

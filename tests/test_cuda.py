@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import bench  # noqa: E402
 import hellaswag  # noqa: E402
+from gpt2train import loss  # noqa: E402
 from gpt2train import memory  # noqa: E402
 from gpt2train import optim  # noqa: E402
 from gpt2train import precision  # noqa: E402
@@ -75,6 +76,46 @@ def test_compiled_equals_eager():
     tol = 2e-2 if plan.dtype != torch.float32 else 1e-4
     assert torch.allclose(eager, got, rtol=tol, atol=tol), (eager.item(), got.item())
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_weight_gradient_sums_in_fp32_inside_the_matmul(dtype):
+    """loss.addmm_fp32 (aten's addmm with out_dtype) runs here in fp16 and bf16: the probe passes, and 4096 rows of
+    16-bit products accumulated into an fp32 sum equal the float64 reference where fp16's own product overflows."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("no bf16 matmul on this GPU")
+    loss.fp32_out_matmul.cache_clear()
+    assert loss.fp32_out_matmul(torch.device("cuda:0"), dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.rand(4096, 256, device="cuda", generator=g).to(dtype)  # (n, V): dL/dlogits' place
+    b = (40 + torch.randn(4096, 64, device="cuda", generator=g)).to(dtype)  # (n, C): sums ~ 4096 x 0.5 x 40 = 81920
+    acc = torch.randn(256, 64, device="cuda", generator=g)  # (V, C) fp32
+    want = acc.double() + a.double().t() @ b.double()
+    assert loss.addmm_fp32(acc, a.t(), b) is acc and acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if dtype == torch.float16:
+        assert (a.t() @ b).isinf().any()  # the fallback's fp16 product of these rows
+
+
+def test_a_4096_row_fp16_chunk_gives_the_fp32_weight_gradient(monkeypatch):
+    """With the fp32-out matmul, fp16 chunks are not capped at 1024 rows: one 4096-row chunk whose fp16 product
+    would overflow gives the fp32 loss's dL/dW (and dL/dh) within fp16's rounding."""
+    loss.fp32_out_matmul.cache_clear()
+    assert loss.loss_chunk_rows(4096, 512, 10**12, torch.float16, "cuda:0") == 4096
+    rows, eager = [], loss.chunk_loss_eager
+    monkeypatch.setattr(loss, "chunk_loss_eager", lambda hc, *a, **k: rows.append(hc.size(0)) or eager(hc, *a, **k))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 64, device="cuda", generator=g)
+    h[:, 0] = 20.0  # every row aims at token 0: dL/dW[0, 0] sums 4096 x 20 > 65504
+    h.requires_grad_()
+    w = (0.1 * torch.randn(512, 64, device="cuda", generator=g)).requires_grad_()
+    targets = torch.zeros(4096, dtype=torch.long, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        ours = loss.chunked_cross_entropy(h, w, targets, chunk_rows=4096)
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), targets)
+    assert rows == [4096] and abs(ours.item() - ref.item()) < 1e-3
+    for a, b in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert torch.isfinite(a).all() and ((a - b).abs().max() / b.abs().max()).item() < 5e-3
 
 
 def test_hellaswag_on_gpu_equals_cpu(hf_dir, tmp_path):

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT, GPTConfig
+from gpt2train import loss
 from gpt2train.loss import chunked_cross_entropy, loss_chunk_bytes, loss_chunk_rows, loss_head_temp_bytes
 
 
@@ -178,3 +179,99 @@ def test_loss_head_temporaries_stay_within_their_estimate():
             assert kept + loss_chunk_bytes(rows, V, dtype) <= counter.peak
             assert counter.peak <= kept + loss_head_temp_bytes(N, V, C, rows, dtype)
             del loss
+
+
+# -----------------------------------------------------------------------------
+# fp16 chunks past 1024 rows where the device sums the weight gradient in fp32 (loss.addmm_fp32, CUDA only)
+
+
+@pytest.fixture
+def probe():
+    """loss.fp32_out_matmul probed afresh in the test (its cache cleared before and after)."""
+    loss.fp32_out_matmul.cache_clear()
+    yield loss.fp32_out_matmul
+    loss.fp32_out_matmul.cache_clear()
+
+
+def emulated_addmm_fp32(acc, a, b):
+    """addmm_fp32 as CUDA computes it: fp16/bf16 products are exact in fp32, summed in fp32, added into acc."""
+    return acc.add_(a.float() @ b.float())
+
+
+def overflowing_fp16_inputs(N=4096, C=8, V=64):
+    """N rows all aiming at token 0 with one hidden column at 20: the weight gradient's (0, 0) entry sums
+    N x 20 = 81920 > fp16's 65504 (an fp16 product of more than 3276 rows overflows); inputs and targets."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, C, generator=g)
+    h[:, 0] = 20.0
+    w = (0.1 * torch.randn(V, C, generator=g)).requires_grad_()
+    return h.requires_grad_(), w, torch.zeros(N, dtype=torch.long)
+
+
+def chunk_sizes(monkeypatch):
+    """The rows of each chunk ChunkedCrossEntropy.forward computes (a list filled as it runs)."""
+    rows, eager = [], loss.chunk_loss_eager
+    monkeypatch.setattr(loss, "chunk_loss_eager", lambda hc, *a, **k: rows.append(hc.size(0)) or eager(hc, *a, **k))
+    return rows
+
+
+def fp16_against_fp32(h, w, targets, chunk_rows):
+    """Max relative difference of (dL/dh, dL/dW) under fp16 autocast against the fp32 F.cross_entropy, and both
+    losses."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours = chunked_cross_entropy(h, w, targets, chunk_rows=chunk_rows)
+    ref = F.cross_entropy(h @ w.t(), targets, ignore_index=-1)
+    diffs = [((a - b).abs().max() / b.abs().max()).item()
+             for a, b in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w)))]
+    return diffs, ours, ref
+
+
+def test_the_fp32_out_matmul_probe_says_no_on_cpu_and_fp16_chunks_stay_capped(probe, monkeypatch):
+    """The CPU build has no addmm with out_dtype (NotImplementedError): the probe says False, and fp16 chunks
+    stay at 1024 rows (the sizing, the forward) with the fp16 product in the estimate."""
+    assert not probe(torch.device("cpu"), torch.float16) and not probe(torch.device("cpu"), torch.bfloat16)
+    assert not probe(torch.device("meta"), torch.float16)  # runs there, but no values to check
+    assert loss_chunk_rows(16384, 50304, 10**12, torch.float16, "cpu") == 1024
+    assert loss_head_temp_bytes(16384, 50304, 768, 1024, torch.float16, "cpu") == \
+        loss_head_temp_bytes(16384, 50304, 768, 1024, torch.float16)  # the (V, C) fp16 product counted
+    rows = chunk_sizes(monkeypatch)
+    diffs, ours, ref = fp16_against_fp32(*overflowing_fp16_inputs(), chunk_rows=4096)
+    assert rows == [1024] * 4  # capped: 1024 x 20 stays below 65504
+    assert max(diffs) < 5e-3 and abs(ours.item() - ref.item()) < 1e-3
+
+
+def test_fp16_chunks_grow_past_1024_rows_with_the_fp32_out_matmul(probe, monkeypatch):
+    """With the fp32-out matmul (emulated on the CPU: what CUDA's kernel computes) the probe passes, fp16 chunks
+    take the budget's rows, and one 4096-row chunk, whose fp16 weight-gradient product would overflow, gives
+    F.cross_entropy's loss and gradients; the estimate drops the fp16 (V, C) product."""
+    monkeypatch.setattr(loss, "addmm_fp32", emulated_addmm_fp32)
+    assert probe(torch.device("cpu"), torch.float16) and probe(torch.device("cpu"), torch.bfloat16)
+    assert loss_chunk_rows(16384, 50304, 10**12, torch.float16, "cpu") == 16384  # one chunk, as bf16
+    assert loss_chunk_rows(16384, 50304, 715 * 2**20, torch.float16, "cpu") == 2368  # a T4's share: 7 chunks
+    V, C = 50304, 768
+    assert loss_head_temp_bytes(16384, V, C, 2368, torch.float16) - \
+        loss_head_temp_bytes(16384, V, C, 2368, torch.float16, "cpu") == 2 * V * C
+    h, w, targets = overflowing_fp16_inputs()
+    assert (20.0 * torch.ones(1, 4096, dtype=torch.float16) @ torch.ones(4096, 1, dtype=torch.float16)).isinf()
+    rows = chunk_sizes(monkeypatch)
+    diffs, ours, ref = fp16_against_fp32(h, w, targets, chunk_rows=4096)
+    assert rows == [4096]
+    assert max(diffs) < 5e-3 and abs(ours.item() - ref.item()) < 1e-3
+    diffs, _, _ = fp16_against_fp32(*ce_inputs(N=3000, C=16, V=301), chunk_rows=2048)  # a short last chunk, masks
+    assert max(diffs) < 5e-3
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong sum"])
+def test_a_failing_fp32_out_matmul_falls_back_to_the_capped_path(broken, probe, monkeypatch):
+    """An older torch or a GPU without the kernel (an exception), or a kernel whose sum is not fp32's: the probe
+    says False, and the loss runs the capped fp16 path as before, never stopping the trainer."""
+    def addmm_fp32(acc, a, b):
+        if broken == "raises":
+            raise RuntimeError("self and mat2 must have the same dtype")  # torch 2.8's addmm.dtype with a fp32 acc
+        return acc.add_((a @ b).float())  # the fp16 product: inf
+    monkeypatch.setattr(loss, "addmm_fp32", addmm_fp32)
+    assert not probe(torch.device("cpu"), torch.float16)
+    assert loss_chunk_rows(16384, 50304, 10**12, torch.float16, "cpu") == 1024
+    rows = chunk_sizes(monkeypatch)
+    diffs, ours, ref = fp16_against_fp32(*overflowing_fp16_inputs(), chunk_rows=4096)
+    assert rows == [1024] * 4 and max(diffs) < 5e-3 and abs(ours.item() - ref.item()) < 1e-3

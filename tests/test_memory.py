@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench
+from gpt2train import loss
 from gpt2train import optim
 from gpt2train import memory
 from gpt2train import precision
@@ -340,6 +341,22 @@ def test_loss_chunk_comes_from_the_device_not_the_model():
     model = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()))
     memory.set_loss_chunk(model, default_plan("cpu"), 64, 1024)  # a resumed run on the CPU: 1024, not the H200's
     assert model.config.ce_chunk_rows == 1024
+
+
+def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(monkeypatch):
+    """sm75 (fp16): a T4's chunk is 1024 rows (the fp16 weight-gradient product's cap) unless the device has the
+    fp32-out matmul (loss.fp32_out_matmul, probed; no CUDA here: no), then its memory share's 2368 rows, and the
+    estimate's head temporary drops the fp16 (V, C) product; the T4 still fits 16 x 1024."""
+    t4, V, C = gpu_plan((7, 5), 15), 50304, 768
+    head = lambda rows: training_bytes_estimate(dataclasses.replace(GPT2, ce_chunk_rows=rows), 16, 1024,  # noqa: E731
+                                                FP16)["largest temporary"]
+    capped = head(1024)
+    assert memory.loss_chunk(t4, 16384, V) == 1024
+    monkeypatch.setattr(loss, "fp32_out_matmul", lambda device, dtype: True)  # the probe passing on this GPU
+    assert memory.loss_chunk(t4, 16384, V) == 2368
+    assert capped - head(1024) == 2 * V * C  # no fp16 product
+    assert head(2368) - head(1024) == (2368 - 1024) * V * 6  # the larger chunk: fp32 + fp16 logits
+    assert memory.choose_micro_batch(SimpleNamespace(config=GPT2), [], t4, 64, 1024, 524288)[:2] == (16, 1024)
 
 
 @pytest.mark.parametrize("plan", [*precision.EMULATED_PLANS, "22 GiB"])
