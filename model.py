@@ -158,6 +158,15 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def zero_init_projections(self):
+        """The residual output projections' weights (attn.c_proj, mlp.c_proj) to 0: each block starts as the
+        identity (modded-nanogpt, nanochat). For a fresh model (the trainer's zero_init_proj, scratch runs)."""
+        with torch.no_grad():
+            for block in self.transformer.h:
+                block.attn.c_proj.weight.zero_()
+                block.mlp.c_proj.weight.zero_()
+        return self
+
     def hidden_states(self, idx, pos=None, attn_mask=None):
         """The final layer-normed hidden states (B, T, n_embd); lm_head turns them into logits.
         By default token t sits at position t and attends causally. Packed sequences (several

@@ -115,6 +115,8 @@ def load_model(cfg, given, ckpt, verbose):
                        n_head=cfg.n_head, n_embd=cfg.n_embd)
     model = GPT.load(cfg.init_from, config=config, verbose=verbose)
     check_shape(cfg, given, dataclasses.asdict(model.config))
+    if cfg.zero_init_proj and cfg.init_from == "scratch":  # never a loaded model's weights
+        model.zero_init_projections()
     return model
 
 
@@ -249,6 +251,8 @@ def setup(cfg, given, env, say, lock):
     optimizers = optim.build_optimizers(raw_model, cfg.optimizer, lr=cfg.max_lr,
                                         weight_decay=cfg.weight_decay,
                                         muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
+                                        muon_split_qkv=cfg.muon_split_qkv, embed_lr_mult=cfg.embed_lr_mult,
+                                        scalar_lr_mult=cfg.scalar_lr_mult,
                                         device_type=plan.device_type, verbose=env.master,
                                         ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type))
     scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)  # off: a no-op (bf16, fp32)
@@ -349,7 +353,7 @@ def train(run, argv, say):
             loss, flags = stats[0] / env.world_size, stats[1:]  # counts read with loss and norm, in one transfer
         loss, norm, applied, counts = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
             run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg), loss,
-            guard.is_outlier if cfg.skip_outliers_z > 0 else None, flags)
+            guard.is_outlier if cfg.skip_outliers_z > 0 else None, flags, optim.muon_momentum(step, cfg))
         if env.ddp:
             asks = [n > 0 for n in counts]
         *signalled, out_of_time, clock_due = asks
@@ -395,7 +399,8 @@ def log_step(run, step, loss, lrs, norm, why, dt, timer, flops_tok, say, runlog)
     if step == run.start_step:
         say(memory.memory_summary(run.raw_model, run.optimizers, run.plan.device, micro_batch=run.B, seq_len=run.T,
                                   dtype=run.plan.dtype))
-    runlog.write({"step": step, "loss": loss, "lr": lrs[0], "norm": norm if math.isfinite(norm) else None,
+    runlog.write({"step": step, "loss": loss, "lr": lrs[0], **({"muon_lr": lrs[1]} if len(lrs) > 1 else {}),
+                  "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
                  mfu=mfu, **logger.memory_stats(run.plan.device))
 

@@ -15,6 +15,7 @@ max_steps = 19073
 warmup_steps = 715
 max_lr = 6e-4
 min_lr = 6e-5
+lr_schedule = "cosine"  # build-nanogpt's, kept: the published recipe every comparison is made against
 weight_decay = 0.1
 grad_clip = 1.0
 eval_interval = 250

@@ -31,7 +31,8 @@ from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
-            "grad_clip", "seed", "muon_lr", "muon_momentum")
+            "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule", "cooldown_frac", "embed_lr_mult",
+            "scalar_lr_mult", "muon_momentum_warmup", "muon_split_qkv", "zero_init_proj")
 
 
 def checkpoint_files(out_dir):

@@ -46,15 +46,22 @@ class Config:
     auto_micro_batch: bool = False  # CUDA: probe for the largest fast micro-batch that fits (memory.choose_micro_batch)
     seq_len: int = 1024  # tokens per row of a micro-batch, at most block_size
     total_batch_size: int = 524288  # 2**19 tokens, ~0.5M as in GPT-3 Small
-    # optimization: linear warmup then cosine decay to min_lr, one schedule for every optimizer
+    # optimization: linear warmup then lr_schedule down to min_lr, one multiplier of every optimizer's lrs
     optimizer: str = "adamw"  # "adamw" everywhere, or "muon": Muon on the blocks' matrices, AdamW on the rest
     max_steps: int = 19073  # 10B tokens / 524288 tokens per step
     warmup_steps: int = 715  # GPT-3 warms up over 375M tokens
     max_lr: float = 6e-4  # AdamW's learning rate after warmup
     min_lr: float = 6e-5  # AdamW's learning rate at max_steps
+    lr_schedule: str = "cosine"  # after warmup to min_lr: cosine (build-nanogpt's), linear, or wsd (flat, then linear)
+    cooldown_frac: float = 0.2  # lr_schedule=wsd: the last fraction of max_steps that cools down (modded-nanogpt-like)
+    embed_lr_mult: float = 1.0  # AdamW's lr x this on wte (tied lm_head) and wpe; 1 = GPT-2's (speedruns: ~3)
+    scalar_lr_mult: float = 1.0  # AdamW's lr x this on biases and layer-norm gains; 1 = GPT-2's (speedruns: ~3)
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
     muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (bench/muon.md: 6e-3, 8e-3 best)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
+    muon_momentum_warmup: int = 0  # optimizer=muon: steps over which momentum goes 0.85 -> muon_momentum; 0 = off
+    muon_split_qkv: bool = False  # optimizer=muon: orthogonalize c_attn as q, k, v, three (C, C) (modded-nanogpt)
+    zero_init_proj: bool = False  # scratch runs: attn.c_proj, mlp.c_proj weights start at 0 (modded-nanogpt, nanochat)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
     eval_interval: int = 250  # steps between val loss evaluations
@@ -94,6 +101,7 @@ class Config:
 CHOICES = {
     "data_source": ("fineweb", "python"),
     "optimizer": ("adamw", "muon"),
+    "lr_schedule": ("cosine", "linear", "wsd"),
     "plan": ("auto", *precision.EMULATED_PLANS),
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
@@ -213,7 +221,7 @@ def validate(cfg):
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
                 "sample_tokens", "checkpoint_interval", "checkpoint_minutes", "keep_last", "time_limit",
                 "max_skipped", "skip_outliers_z", "max_lr", "min_lr", "weight_decay", "grad_clip", "muon_lr",
-                "muon_momentum"):
+                "muon_momentum", "muon_momentum_warmup", "cooldown_frac", "embed_lr_mult", "scalar_lr_mult"):
         if not getattr(cfg, key) >= 0:  # (NaN fails this too)
             raise UserError(f"{key} must not be negative, got {getattr(cfg, key)}")
     for key in ("max_lr", "min_lr", "muon_lr"):  # (NaN fails this too)
@@ -223,6 +231,9 @@ def validate(cfg):
     if cfg.min_lr > cfg.max_lr:
         raise UserError(f"min_lr={cfg.min_lr:g} is above max_lr={cfg.max_lr:g}: the cosine decays from max_lr down to "
                         "min_lr; swap them (min_lr = max_lr gives a constant learning rate)")
+    if cfg.cooldown_frac > 1:
+        raise UserError(f"cooldown_frac is a fraction of max_steps, at most 1; got {cfg.cooldown_frac:g} (0.2 is "
+                        "usual)")
     if cfg.muon_momentum >= 1:
         raise UserError(f"muon_momentum must be below 1, got {cfg.muon_momentum:g} (0.95 is usual)")
     if cfg.n_embd % cfg.n_head:

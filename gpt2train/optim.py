@@ -6,8 +6,8 @@
     stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss)
 
 AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the rest
-("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine): every param group's
-lr = its "base_lr" x the multiplier, in every optimizer."""
+("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd): every param
+group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is an lr computed."""
 import inspect
 import math
 from contextlib import nullcontext
@@ -22,6 +22,8 @@ from gpt2train.precision import autocast
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (bench/muon.md)
 MUON_MOMENTUM = 0.95
+MUON_MOMENTUM_START = 0.85  # muon_momentum_warmup starts here (modded-nanogpt's 0.85 -> 0.95)
+SCHEDULES = ("cosine", "linear", "wsd")
 MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
 
@@ -88,12 +90,13 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     the device, weights and momentum left as they were, no host read."""
     # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same update, own dtype
 
-    def __init__(self, params, ns_dtype=torch.float32, **kwargs):
+    def __init__(self, params, ns_dtype=torch.float32, split=(), **kwargs):
         if not hasattr(torch.optim, "Muon"):
             raise UserError(f"optimizer='muon' needs torch >= {MUON_TORCH} (torch.optim.Muon); this is torch "
                             f"{torch.__version__}: upgrade torch, or use optimizer='adamw'")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype  # not in the state_dict: a resume on another device picks its own
+        self.split = {id(p): 3 for p in split}  # c_attn (3C, C) orthogonalized as q, k, v: three (C, C) (config's)
         sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
         self._step_supports_amp_scaling = not sharded  # FSDP: one matrix at a time, the skip decided on the host
 
@@ -114,7 +117,7 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                     self.step_one(group, p)
                 continue
             by_dtype = {}
-            for p in sorted(params, key=lambda p: tuple(p.shape)):  # stable: a shape's matrices side by side
+            for p in sorted(params, key=self.matrix_shape):  # stable: a shape's matrices side by side
                 by_dtype.setdefault((p.device, p.dtype, p.grad.dtype), []).append(p)
             for same in by_dtype.values():
                 new = [p for p in same if "momentum_buffer" not in self.state[p]]
@@ -124,6 +127,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                         self.state[p]["momentum_buffer"] = buf.view(p.shape)
                 self.step_flat(group, same, skip, grad_scale)
         return loss
+
+    def matrix_shape(self, p):
+        """(A, B) of the matrices p is orthogonalized as: p's shape, or a third of its rows when split."""
+        k = self.split.get(id(p), 1)
+        return p.shape[0] // k, p.shape[1]
 
     def step_flat(self, group, params, skip, grad_scale):
         """One update of matrices of one dtype, sorted by shape: each elementwise op runs once on a flat copy of
@@ -153,10 +161,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     def orthogonalized(self, group, params, update):
         """Newton-Schulz of update's matrices, batched per wide shape (A <= B): a tall shape (B, A) joins its wide
         twin transposed, as NS(X^T) = NS(X)^T (c_fc (3072, 768) with c_proj (768, 3072)). update: (N,), params'
-        matrices in a row, sorted by shape. Yields ((A, B), the shape's slice of the flat, its (n, A, B) result)."""
+        matrices in a row, sorted by matrix_shape (a split c_attn: three (C, C) rows-slices in a row, its flat
+        as it is). Yields ((A, B), the shape's slice of the flat, its (n, A, B) result)."""
         kinds, offset = {}, 0  # (A, B) -> [n, flat offset]: each shape's matrices side by side
         for p in params:
-            kinds.setdefault(tuple(p.shape), [0, offset])[0] += 1
+            kinds.setdefault(self.matrix_shape(p), [0, offset])[0] += self.split.get(id(p), 1)
             offset += p.numel()
         wide = {}
         for (A, B), (n, start) in kinds.items():
@@ -180,18 +189,22 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         buf = self.state[p]["momentum_buffer"]
         buf.lerp_(p.grad, 1 - mu)
         update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        k = self.split.get(id(p), 1)
+        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"], k)
         p.mul_(1 - lr * wd)
-        p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
+        p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], self.matrix_shape(p)))
 
 
-def orthogonalize(update, ns_dtype, steps, coefficients, eps):
-    """zeropower of a whole matrix. Under FSDP (a DTensor sharded by rows) each rank gathers the update
-    once, orthogonalizes it whole (the same bits on every rank) and keeps its own rows, instead of
-    letting DTensor redistribute inside each of Newton-Schulz's 15 matmuls."""
+def orthogonalize(update, ns_dtype, steps, coefficients, eps, k=1):
+    """zeropower of a whole matrix, or of its k row-slices each on its own (k=3: c_attn's q, k, v). Under FSDP
+    (a DTensor sharded by rows) each rank gathers the update once, orthogonalizes it whole (the same bits on
+    every rank) and keeps its own rows, instead of letting DTensor redistribute inside each of Newton-Schulz's
+    15 matmuls."""
+    def ns(U):  # (A, B) -> (A, B)
+        return zeropower(U.view(k, U.size(0) // k, U.size(1)), ns_dtype, steps, coefficients, eps).view(U.shape)
     if not isinstance(update, DTensor):
-        return zeropower(update, ns_dtype, steps, coefficients, eps)
-    whole = zeropower(update.full_tensor(), ns_dtype, steps, coefficients, eps)  # (A, B), on every rank
+        return ns(update)
+    whole = ns(update.full_tensor())  # (A, B), on every rank
     replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
     return replicated.redistribute(update.device_mesh, update.placements)  # each rank's slice: no communication
 
@@ -206,26 +219,43 @@ def adjusted_lr_ratio(adjust_lr_fn, shape):
     return 1.0
 
 
+def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr_mult=1.0):
+    """AdamW's param groups, each with its "base_lr": the 2-D ones decayed (the embeddings at lr x embed_lr_mult:
+    under "adamw" a group of their own, after the matrices', when the multiplier is not 1), the 1-D ones
+    (biases, gains) not, at lr x scalar_lr_mult. Multipliers of 1: build-nanogpt's two groups."""
+    embed = [(n, p) for n, p in decay if n.startswith(("transformer.wte.", "transformer.wpe."))]
+    rest = [(n, p) for n, p in decay if not n.startswith(("transformer.wte.", "transformer.wpe."))]
+    if embed_lr_mult == 1.0 or not rest:
+        decayed = [{"params": decay, "weight_decay": weight_decay, "base_lr": lr * embed_lr_mult}]
+    else:
+        decayed = [{"params": rest, "weight_decay": weight_decay, "base_lr": lr},
+                   {"params": embed, "weight_decay": weight_decay, "base_lr": lr * embed_lr_mult}]
+    return decayed + [{"params": no_decay, "weight_decay": 0.0, "base_lr": lr * scalar_lr_mult}]
+
+
 def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
                      muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
-                     ns_dtype=torch.float32, fused=None, verbose=True):
+                     ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=False,
+                     embed_lr_mult=1.0, scalar_lr_mult=1.0):
     """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
-    Every group has "base_lr" (lr for AdamW, muon_lr for Muon): see the module's schedule contract.
+    Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
+    muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q, k, v (Muon.split).
     muon_weight_decay=None means weight_decay; fused=None means fused AdamW on CUDA where torch has it."""
     muon, decay, no_decay = split_params(model, optimizer)
     if fused is None:
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    groups = [{"params": decay, "weight_decay": weight_decay, "base_lr": lr},
-              {"params": no_decay, "weight_decay": 0.0, "base_lr": lr}]
+    groups = adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult, scalar_lr_mult)
     optimizers = [torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
     size = lambda ps: f"{len(ps)} tensors ({sum(p.numel() for _, p in ps):,} parameters)"  # noqa: E731
     if muon:
         wd = weight_decay if muon_weight_decay is None else muon_weight_decay
-        optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, lr=muon_lr,
-                                    weight_decay=wd, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw"))
+        qkv = [p for n, p in muon if muon_split_qkv and n.endswith("attn.c_attn.weight")]
+        optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, split=qkv, lr=muon_lr,
+                               weight_decay=wd, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw"))
         if verbose:
             print(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
-                  f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}; AdamW on {size(decay)} decayed and "
+                  f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
+                  f"AdamW on {size(decay)} decayed and "
                   f"{size(no_decay)} not, fused AdamW: {fused}")
     elif verbose:
         print(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
@@ -236,7 +266,8 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
 
 
 def lr_multiplier(step, cfg):
-    """Linear warmup to 1 over warmup_steps, then cosine decay to min_lr / max_lr at max_steps."""
+    """Linear warmup to 1 over warmup_steps, then down to min_lr / max_lr at max_steps by cfg.lr_schedule:
+    cosine (build-nanogpt's), linear, or wsd (flat, then linear over the last cooldown_frac of the run)."""
     if not cfg.max_lr:
         return 0.0
     if step < cfg.warmup_steps:
@@ -244,9 +275,26 @@ def lr_multiplier(step, cfg):
     elif step >= cfg.max_steps:
         lr = cfg.min_lr
     else:
-        ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
-        lr = cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.max_lr - cfg.min_lr)
+        lr = cfg.min_lr + decay_fraction(step, cfg) * (cfg.max_lr - cfg.min_lr)
     return lr / cfg.max_lr  # as a ratio of max_lr, in the exact floats of build-nanogpt's get_lr
+
+
+def decay_fraction(step, cfg):
+    """How much of max_lr - min_lr is left at step (warmup_steps <= step < max_steps): 1 -> 0."""
+    if cfg.lr_schedule == "wsd":
+        start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))  # cooldown's first
+        return 1.0 if step < start else (cfg.max_steps - step) / (cfg.max_steps - start)
+    ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
+    return 0.5 * (1.0 + math.cos(math.pi * ratio)) if cfg.lr_schedule == "cosine" else 1.0 - ratio
+
+
+def muon_momentum(step, cfg):
+    """Muon's momentum at step: MUON_MOMENTUM_START -> muon_momentum, linearly over muon_momentum_warmup steps
+    (0: muon_momentum throughout)."""
+    if cfg.muon_momentum_warmup <= 0:
+        return cfg.muon_momentum
+    frac = min(step / cfg.muon_momentum_warmup, 1.0)
+    return (1 - frac) * MUON_MOMENTUM_START + frac * cfg.muon_momentum
 
 
 def lrs(optimizers):
@@ -311,15 +359,18 @@ def _update(optimizers, scaler, found_inf=None):
     scaler.update()
 
 
-def set_lr(optimizers, scale):
-    """The schedule applied: every group's lr = its base_lr * scale (scale: lr_multiplier). A group built
-    without a base_lr takes its lr as one."""
+def set_lr(optimizers, scale, momentum=None):
+    """The schedule applied: every group's lr = its base_lr * scale (scale: lr_multiplier), and Muon's
+    momentum (muon_momentum) when given. A group built without a base_lr takes its lr as one."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group.setdefault("base_lr", group["lr"]) * scale
+            if momentum is not None and isinstance(opt, Muon):
+                group["momentum"] = momentum
 
 
-def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None):
+def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None,
+                   momentum=None):
     """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
     set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
     one clip runs over all parameters, each optimizer steps, the loss scale is updated once. A step whose
@@ -328,8 +379,9 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
     is_outlier(loss, norm) -> True skips a finite step too (the loss scale is left as it is). flags: a
     1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
     allow (skips_on_device) the update is launched before the read, so the device never waits for the
-    host. Returns Stepped, read from the device in one transfer."""
-    set_lr(optimizers, lr_scale)
+    host. momentum: Muon's at this step (muon_momentum), None: as it is. Returns Stepped, read from the device
+    in one transfer."""
+    set_lr(optimizers, lr_scale, momentum)
     for opt in optimizers:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))

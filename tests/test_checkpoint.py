@@ -32,7 +32,9 @@ from gpt2train.optim import train_step
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 # what tiny_args' run fixes: the RUN_KEYS as that run saved them
 TINY_RUN = {"init_from": "scratch", "seq_len": 16, "total_batch_size": 64, "warmup_steps": 2, "max_lr": 1e-2,
-            "min_lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0, "muon_lr": 6e-3, "muon_momentum": 0.95}
+            "min_lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0, "muon_lr": 6e-3, "muon_momentum": 0.95,
+            "lr_schedule": "cosine", "cooldown_frac": 0.2, "embed_lr_mult": 1.0, "scalar_lr_mult": 1.0,
+            "muon_momentum_warmup": 0, "muon_split_qkv": False, "zero_init_proj": False}
 
 
 def trained_model(data_dir, steps=1):

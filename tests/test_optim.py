@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpt2train import optim
 from gpt2train import precision
 from conftest import adamw, tiny_model
+from gpt2train.config import Config
 from gpt2train.data import TokenLoader
 from gpt2train.fileio import UserError
 
@@ -500,3 +501,110 @@ def test_outlier_step_is_skipped(prec, data_dir):
     loss = optim.accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
     assert optim.optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss, lambda value, norm: False).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+# -----------------------------------------------------------------------------
+# issue 33's levers: c_attn as q, k, v; momentum warmup; AdamW's lr by parameter kind; the schedules
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_split_qkv_is_torch_muon_on_three_separate_matrices(batched):
+    """muon_split_qkv: c_attn's (3C, C) update is Muon's on q, k and v as three (C, C) parameters of their own
+    (each its own Newton-Schulz and lr ratio), in the batched step (the slices join attn.c_proj's stack) and in
+    the one-matrix step (FSDP's)."""
+    model = tiny_model(n_layer=1)
+    (_, muon) = optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=2e-2, muon_split_qkv=True, verbose=False)
+    muon._step_supports_amp_scaling = batched
+    attn = model.transformer.h[0].attn
+    C = attn.c_proj.weight.size(0)
+    w_qkv, w_proj = attn.c_attn.weight.detach().clone(), attn.c_proj.weight.detach().clone()
+    ref = [torch.nn.Parameter(w.clone()) for w in (*w_qkv.split(C), w_proj)]  # q, k, v, c_proj
+    kw = dict(lr=2e-2, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    theirs = optim.Muon(ref, **kw)  # fp32 Newton-Schulz (torch.optim.Muon's is bf16: test_muon_update_is_torch...)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p in muon.param_groups[0]["params"]:
+            p.grad = torch.randn(p.shape, generator=g)
+        for r, grad in zip(ref, (*attn.c_attn.weight.grad.split(C), attn.c_proj.weight.grad)):
+            r.grad = grad.clone()
+        muon.step()
+        theirs.step()
+    moved = (ref[3] - w_proj).abs().max().item()
+    torch.testing.assert_close(attn.c_attn.weight.detach(), torch.cat(ref[:3]).detach(), rtol=0, atol=1e-5 * moved)
+    torch.testing.assert_close(attn.c_proj.weight.detach(), ref[3].detach(), rtol=0, atol=1e-5 * moved)
+    whole = tiny_model(n_layer=1)  # without the split: another update (the key does something)
+    (_, m2) = optim.build_optimizers(whole, "muon", lr=1e-2, muon_lr=2e-2, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    for p in m2.param_groups[0]["params"]:
+        p.grad = torch.randn(p.shape, generator=g)
+    m2.step()
+    assert (whole.transformer.h[0].attn.c_attn.weight - w_qkv).abs().max() > 0
+    assert not torch.allclose(whole.transformer.h[0].attn.c_attn.weight, attn.c_attn.weight)
+
+
+def test_split_qkv_joins_the_square_stack():
+    """With the split, c_attn's three slices are orthogonalized in the same batched Newton-Schulz as attn.c_proj:
+    one (n, C, C) stack of 3 x layers + layers matrices, no (C, 3C) stack."""
+    model = tiny_model(n_layer=2)
+    (_, muon) = optim.build_optimizers(model, "muon", muon_split_qkv=True, verbose=False)
+    for p in muon.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    with MatmulShapes() as seen:
+        muon.step()
+    C = model.config.n_embd
+    assert {s for s in seen.shapes if s[-1] == s[-2]} == {(8, C, C)}  # A = X X^T of the (C, C) stack: 2 x (3 + 1)
+    assert all(s[0] in (8, 4) for s in seen.shapes)  # and the (C, 4C) stack: c_fc and mlp.c_proj
+
+
+def test_momentum_warmup_from_085():
+    cfg = Config(optimizer="muon", muon_momentum=0.95, muon_momentum_warmup=300)
+    assert optim.muon_momentum(0, cfg) == 0.85
+    assert optim.muon_momentum(150, cfg) == pytest.approx(0.90)
+    assert optim.muon_momentum(300, cfg) == optim.muon_momentum(5000, cfg) == pytest.approx(0.95)
+    assert optim.muon_momentum(7, Config(muon_momentum=0.9)) == 0.9  # 0: off, as before
+    model = tiny_model()
+    opts = optim.build_optimizers(model, "muon", verbose=False)
+    loss = model(*batch())[1]
+    loss.backward()
+    optim.optimizer_step(opts, torch.amp.GradScaler("cpu", enabled=False), list(model.parameters()), 1.0, 1.0,
+                         loss.detach(), momentum=0.87)
+    assert opts[1].param_groups[0]["momentum"] == 0.87 and "momentum" not in opts[0].param_groups[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_embedding_and_scalar_lrs_are_base_lrs(optimizer):
+    """embed_lr_mult on wte (lm_head) and wpe, scalar_lr_mult on the 1-D tensors, the matrices (under adamw) at lr;
+    each parameter in one group; multipliers of 1 keep build-nanogpt's two groups (old checkpoints load)."""
+    model = tiny_model(n_layer=2)
+    opt = optim.build_optimizers(model, optimizer, lr=1e-3, embed_lr_mult=3.0, scalar_lr_mult=2.0, verbose=False)[0]
+    base = {n: g["base_lr"] for g in opt.param_groups for n in g["param_names"]}
+    names = dict(model.named_parameters())
+    assert len(base) == sum(len(g["params"]) for g in opt.param_groups)
+    for n, lr in base.items():
+        want = 3e-3 if n in ("transformer.wte.weight", "transformer.wpe.weight") else 2e-3 if names[n].dim() == 1 \
+            else 1e-3
+        assert lr == pytest.approx(want, rel=1e-12), n
+    assert [g["weight_decay"] for g in opt.param_groups] == ([0.1, 0.1, 0.0] if optimizer == "adamw" else [0.1, 0.0])
+    plain = optim.build_optimizers(model, optimizer, lr=1e-3, verbose=False)[0]
+    assert [g["base_lr"] for g in plain.param_groups] == [1e-3, 1e-3]
+
+
+def reference_schedule(step, kind, max_lr=1.0, min_lr=0.1, warmup=10, steps=100, cooldown=0.3):
+    """The three schedules written out independently: warmup, then from max_lr to min_lr."""
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    if step >= steps:
+        return min_lr
+    if kind == "wsd":
+        flat_until = steps - cooldown * steps  # 70: flat at max_lr before it, linear to min_lr at 100
+        return max_lr if step < flat_until else min_lr + (max_lr - min_lr) * (steps - step) / (steps - flat_until)
+    t = (step - warmup) / (steps - warmup)
+    return min_lr + (max_lr - min_lr) * ((1 + math.cos(math.pi * t)) / 2 if kind == "cosine" else 1 - t)
+
+
+@pytest.mark.parametrize("kind", optim.SCHEDULES)
+def test_each_schedule_is_its_shape(kind):
+    cfg = Config(lr_schedule=kind, max_lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, cooldown_frac=0.3)
+    for step in range(0, 120):
+        assert optim.lr_multiplier(step, cfg) == pytest.approx(reference_schedule(step, kind), rel=1e-12), step
+    if kind == "wsd":
+        assert optim.lr_multiplier(69, cfg) == 1.0 and optim.lr_multiplier(85, cfg) == pytest.approx(0.55)

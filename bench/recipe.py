@@ -1,0 +1,457 @@
+"""Issue 33's recipe on CPU: tuned AdamW, today's Muon, each lever on top of Muon, the adopted combination;
+two byte-level models trained to >= 10 tokens per non-embedding parameter.
+
+    python bench/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
+    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo (or --phase all)
+    python bench/recipe.py --report                  # bench/recipe.md: tables, token ratios, the plot
+    python bench/recipe.py --smoke                   # every phase at a tiny size, 3 steps, into a temp JSON
+
+Each run is the trainer's own step (optim.build_optimizers with the run's keys, optim.accumulate_gradients,
+optim.optimizer_step at optim.lr_multiplier(step, cfg) with Muon's optim.muon_momentum(step, cfg)) on the
+quickstart's text as bytes (vocab 256: Python's help topics and stdlib sources; every 100th 64 KiB block is
+val). Every run is appended to the JSON as it ends; a run already there is skipped, so a stopped phase
+continues where it was. A best lr at the edge of its sweep extends the sweep (x2 or /2) until bracketed."""
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpt2train import data, optim, precision  # noqa: E402
+from gpt2train.config import Config  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "recipe_cpu.json")
+REPORT = os.path.join(HERE, "recipe.md")
+TOKENS_PER_PARAM = 10  # the issue's floor, per non-embedding parameter
+# candidate sizes for --calibrate; SIZES: the two picked from it (~2-3 and ~5-6 min a run on 2 cores)
+CANDIDATES = {f"{L}x{C}": dict(n_layer=L, n_head=max(1, C // 32), n_embd=C) for L, C in
+              ((3, 64), (4, 64), (3, 96), (4, 96), (4, 128))}
+SIZES = {"small": CANDIDATES["4x64"], "large": CANDIDATES["4x96"]}  # --calibrate, 1 thread: ~1.6 and ~5.9 min a run
+B, T = 16, 256  # rows x bytes a step: 4,096 tokens
+BASE = dict(warmup_frac=0.04, min_ratio=0.1, weight_decay=0.1)  # build-nanogpt's shape: warmup, cosine to 0.1x
+GRIDS = {"adamw": [1e-3, 2e-3, 4e-3, 8e-3], "muon": [4e-3, 8e-3, 1.6e-2]}
+LEVERS = {  # each on top of today's Muon, alone (ablate), the adopted ones together (combo)
+    "linear_d2z": dict(lr_schedule="linear", min_ratio=0.0),
+    "wsd_d2z": dict(lr_schedule="wsd", cooldown_frac=0.2, min_ratio=0.0),
+    "split_qkv": dict(muon_split_qkv=True),
+    "momentum_warmup": dict(momentum_warmup_frac=0.1),
+    "zero_init_proj": dict(zero_init_proj=True),
+    "embed_lr_3x": dict(embed_lr_mult=3.0),
+    "scalar_lr_3x": dict(scalar_lr_mult=3.0),
+}
+SEEDS = (0, 1)
+SMOKE = dict(sizes={"small": dict(n_layer=1, n_head=1, n_embd=16), "large": dict(n_layer=2, n_head=1, n_embd=16)},
+             B=2, T=32, steps=3, files=20, val_rows=2, max_extend=1)
+STATE = dict(sizes=SIZES, B=B, T=T, steps=None, files=None, val_rows=64, max_extend=6, results=RESULTS)  # --smoke: its
+
+
+class ByteText:
+    """The quickstart's text (help topics, stdlib sources) as bytes, every 100th 64 KiB block val; train rows at
+    seeded random offsets, val rows consecutive from its start. TokenLoader's next_batch(device)."""
+    cache = {}
+
+    def __init__(self, split, B, T, seed=0):
+        if not ByteText.cache:
+            from pydoc_data.topics import topics
+            parts = [t.encode() for _, t in sorted(topics.items())]
+            parts += [open(f, "rb").read() for f in data.python_sources()[:STATE["files"]]]
+            raw = b"\n\n".join(parts)
+            size = min(65536, len(raw) // 400)  # 64 KiB; a smoke run's small text: smaller, so that val holds some
+            blocks = [raw[i:i + size] for i in range(0, len(raw), size)]
+            for k in ("train", "val"):
+                kept = b"".join(b for j, b in enumerate(blocks) if (j % 100 == 99) == (k == "val"))
+                ByteText.cache[k] = torch.frombuffer(bytearray(kept), dtype=torch.uint8)
+        self.data, self.B, self.T, self.split, self.pos = ByteText.cache[split], B, T, split, 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next_batch(self, device="cpu"):
+        if self.split == "train":
+            starts = torch.randint(0, len(self.data) - self.T - 1, (self.B,), generator=self.gen).tolist()
+        else:
+            starts = [(self.pos + i * self.T) % (len(self.data) - self.T - 1) for i in range(self.B)]
+            self.pos += self.B * self.T
+        rows = torch.stack([self.data[i:i + self.T + 1] for i in starts]).long()  # (B, T+1)
+        return rows[:, :-1].to(device), rows[:, 1:].to(device)
+
+
+def non_embedding_params(model):
+    embeddings = ("transformer.wte.", "transformer.wpe.")  # (wte is lm_head too: 256 x C, small)
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith(embeddings))
+
+
+def make_model(size, seed):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=STATE["T"], vocab_size=256, **size))
+
+
+def run_steps(size):
+    """Steps that give >= TOKENS_PER_PARAM tokens per non-embedding parameter (--smoke: its 3)."""
+    if STATE["steps"]:
+        return STATE["steps"]
+    n = non_embedding_params(make_model(size, 0))
+    return -(-TOKENS_PER_PARAM * n // (STATE["B"] * STATE["T"]))
+
+
+def schedule_config(steps, lr, keys):
+    """The trainer's Config for the run's schedule and Muon momentum: what lr_multiplier / muon_momentum read."""
+    warm = keys.get("momentum_warmup_frac", 0.0)
+    return dataclasses.replace(Config(), max_steps=steps, warmup_steps=max(1, round(BASE["warmup_frac"] * steps)),
+                               max_lr=lr, min_lr=lr * keys.get("min_ratio", BASE["min_ratio"]),
+                               lr_schedule=keys.get("lr_schedule", "cosine"),
+                               cooldown_frac=keys.get("cooldown_frac", 0.2),
+                               muon_momentum_warmup=round(warm * steps))
+
+
+@torch.no_grad()
+def val_loss(model, plan):
+    model.eval()
+    loader, total = ByteText("val", STATE["B"], STATE["T"]), 0.0
+    n = max(1, STATE["val_rows"] // STATE["B"])  # the same rows from val's start every time
+    for _ in range(n):
+        total += model(*loader.next_batch())[1].item()
+    model.train()
+    return total / n
+
+
+def run(name, optimizer, lr, muon_lr, keys, seed):
+    """One training run: its curve of (tokens, val loss) and its numbers, as a JSON-able dict."""
+    size = STATE["sizes"][name]
+    steps = run_steps(size)
+    model = make_model(size, seed)
+    if keys.get("zero_init_proj"):
+        model.zero_init_projections()
+    opts = optim.build_optimizers(model, optimizer, lr=lr, weight_decay=BASE["weight_decay"],
+                                  muon_lr=muon_lr or optim.MUON_LR, muon_split_qkv=keys.get("muon_split_qkv", False),
+                                  embed_lr_mult=keys.get("embed_lr_mult", 1.0),
+                                  scalar_lr_mult=keys.get("scalar_lr_mult", 1.0), verbose=False)
+    cfg, plan = schedule_config(steps, lr, keys), precision.make_plan("cpu", "fp32")
+    scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())
+    train, tok = ByteText("train", STATE["B"], STATE["T"], seed), STATE["B"] * STATE["T"]
+    every = max(1, steps // 20)
+    curve, t0 = [[0, val_loss(model, plan)]], time.perf_counter()
+    for step in range(steps):
+        loss = optim.accumulate_gradients(model, train, 1, plan, scaler)
+        optim.optimizer_step(opts, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss,
+                             momentum=optim.muon_momentum(step, cfg))  # the trainer's step
+        if (step + 1) % every == 0 or step + 1 == steps:
+            curve.append([(step + 1) * tok, val_loss(model, plan)])
+    seconds = time.perf_counter() - t0
+    print(f"  {name} {optimizer} lr {lr:g} muon_lr {muon_lr} {sorted(keys)} seed {seed}: val {curve[-1][1]:.4f} "
+          f"({seconds:.0f} s)", flush=True)
+    return dict(size=name, optimizer=optimizer, lr=lr, muon_lr=muon_lr, keys=keys, seed=seed, steps=steps,
+                tokens=steps * tok, params=non_embedding_params(model), curve=curve, final_val=curve[-1][1],
+                seconds=seconds, model=size)
+
+# -----------------------------------------------------------------------------
+# the JSON: runs appended as they end, looked up by what they ran
+
+
+def load():
+    if os.path.exists(STATE["results"]):
+        with open(STATE["results"]) as f:
+            return json.load(f)
+    return {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(), "B": STATE["B"],
+                     "T": STATE["T"], "tokens_per_param": TOKENS_PER_PARAM, "base": BASE}, "runs": []}
+
+
+def save(results):
+    os.makedirs(os.path.dirname(STATE["results"]) or ".", exist_ok=True)
+    with open(STATE["results"] + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(STATE["results"] + ".tmp", STATE["results"])
+
+
+def find(results, name, optimizer, lr, muon_lr, keys, seed):
+    want = (name, optimizer, lr, muon_lr, json.dumps(keys, sort_keys=True), seed)
+    return next((r for r in results["runs"] if (r["size"], r["optimizer"], r["lr"], r["muon_lr"],
+                                                 json.dumps(r["keys"], sort_keys=True), r["seed"]) == want), None)
+
+
+def get(results, name, optimizer, lr, muon_lr=None, keys=None, seed=0):
+    """The run from the JSON, or run it now and append it."""
+    keys = keys or {}
+    r = find(results, name, optimizer, lr, muon_lr, keys, seed)
+    if r is None:
+        r = run(name, optimizer, lr, muon_lr, keys, seed)
+        results["runs"].append(r)
+        save(results)
+    return r
+
+
+def best(results, name, optimizer, keys=None, seed=0):
+    rs = [r for r in results["runs"] if r["size"] == name and r["optimizer"] == optimizer
+          and r["keys"] == (keys or {}) and r["seed"] == seed]
+    return min(rs, key=lambda r: r["final_val"]) if rs else None
+
+# -----------------------------------------------------------------------------
+# the phases
+
+
+def sweep(results, name, optimizer, grid, adamw_lr=None):
+    """Each value of grid (lr for AdamW, muon_lr for Muon), then x2 / /2 while the best sits on the edge
+    (at most max_extend times)."""
+    grid, max_extend = sorted(grid), STATE["max_extend"]
+    value = (lambda r: r["lr"]) if optimizer == "adamw" else (lambda r: r["muon_lr"])  # noqa: E731
+    for _ in range(max_extend + 1):
+        vals = {v: get(results, name, optimizer, *((v, None) if optimizer == "adamw" else (adamw_lr, v)))
+                for v in grid}
+        b = min(vals, key=lambda v: vals[v]["final_val"])
+        if grid[0] < b < grid[-1]:
+            return value(vals[b])
+        grid = grid + [b * 2] if b == grid[-1] else [b / 2] + grid
+    return value(vals[b])  # not bracketed within max_extend: the report says so
+
+
+def adamw_sweep(results):
+    for name in STATE["sizes"]:
+        sweep(results, name, "adamw", GRIDS["adamw"])
+
+
+def muon_sweep(results):
+    for name in STATE["sizes"]:
+        sweep(results, name, "muon", GRIDS["muon"], adamw_lr=needed(results, name, "adamw")["lr"])
+
+
+def needed(results, name, optimizer):
+    r = best(results, name, optimizer)
+    if r is None:
+        sys.exit(f"error: no {optimizer} run at size {name} in {STATE['results']}: run --phase {optimizer}_sweep first")
+    return r
+
+
+def muon_base(results, name):
+    """(AdamW's lr, Muon's lr) of today's Muon at its best: the base every lever goes on top of."""
+    m = needed(results, name, "muon")
+    return m["lr"], m["muon_lr"]
+
+
+def ablate(results, name="small"):
+    lr, muon_lr = muon_base(results, name)
+    for seed in SEEDS:
+        get(results, name, "muon", lr, muon_lr, {}, seed)
+        for keys in LEVERS.values():
+            get(results, name, "muon", lr, muon_lr, keys, seed)
+
+
+def ablation(results, name="small"):
+    """{lever: (per-seed deltas vs the base, mean delta, the seed spread, adopted)}: a lever is adopted when both
+    seeds improve and its mean gain beats the larger of the base's and the lever's own seed spread."""
+    lr, muon_lr = muon_base(results, name)
+    base = [find(results, name, "muon", lr, muon_lr, {}, s) for s in SEEDS]
+    rows = {}
+    for lever, keys in LEVERS.items():
+        on = [find(results, name, "muon", lr, muon_lr, keys, s) for s in SEEDS]
+        if None in base or None in on:
+            continue
+        deltas = [a["final_val"] - b["final_val"] for a, b in zip(on, base)]
+        spread = max(abs(base[0]["final_val"] - base[1]["final_val"]), abs(on[0]["final_val"] - on[1]["final_val"]))
+        mean = statistics.mean(deltas)
+        rows[lever] = (deltas, mean, spread, all(d < 0 for d in deltas) and -mean > spread)
+    return rows
+
+
+def adopted_keys(results, adopt=None):
+    """The adopted levers' keys merged (--adopt names them, else the ablation's verdict); of two schedules, the
+    better one."""
+    rows = ablation(results)
+    names = adopt if adopt is not None else [k for k, row in rows.items() if row[3]]
+    schedules = [n for n in names if "lr_schedule" in LEVERS[n]]
+    if len(schedules) > 1:
+        keep = min(schedules, key=lambda n: rows[n][1] if n in rows else 0.0)
+        names = [n for n in names if n not in schedules or n == keep]
+    merged = {}
+    for n in names:
+        merged.update(LEVERS[n])
+    return names, merged
+
+
+def combo(results, adopt=None):
+    names, keys = adopted_keys(results, adopt)
+    print(f"combo: {', '.join(names) or 'no lever adopted: today Muon'}", flush=True)
+    for name in STATE["sizes"]:
+        a = needed(results, name, "adamw")
+        lr, muon_lr = muon_base(results, name)
+        for seed in SEEDS:
+            get(results, name, "adamw", a["lr"], None, {}, seed)  # the tuned baseline at both seeds
+            get(results, name, "muon", lr, muon_lr, keys, seed)
+    results["adopted"] = dict(levers=names, keys=keys)
+    save(results)
+
+
+PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo}
+
+# -----------------------------------------------------------------------------
+# calibration and the report
+
+
+def calibrate(steps=4):
+    """Seconds per Muon step (the heavier) of each candidate size, and a run's projected time at
+    TOKENS_PER_PARAM tokens per non-embedding parameter."""
+    plan, scaler = precision.make_plan("cpu", "fp32"), torch.amp.GradScaler("cpu", enabled=False)
+    rows = []
+    for name, size in CANDIDATES.items():
+        model = make_model(size, 0)
+        opts = optim.build_optimizers(model, "muon", lr=1e-3, verbose=False)
+        loader, times = ByteText("train", STATE["B"], STATE["T"]), []
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            loss = optim.accumulate_gradients(model, loader, 1, plan, scaler)
+            optim.optimizer_step(opts, scaler, list(model.parameters()), 1.0, 1.0, loss)
+            if i:  # the first step warms up
+                times.append(time.perf_counter() - t0)
+        s, n = statistics.median(times), run_steps(size)
+        rows.append(dict(size=name, params=non_embedding_params(model), steps=n, s_per_step=s, s_per_run=s * n * 1.05))
+        print(f"{name}: {rows[-1]['params']:,} non-embedding params, {n} steps of {STATE['B'] * STATE['T']} tokens, "
+              f"{1e3 * s:.0f} ms/step -> ~{s * n * 1.05 / 60:.1f} min a run (evals ~5%)", flush=True)
+    return rows
+
+
+def ratio(curve, target, total):
+    sys.path.insert(0, HERE)
+    from muon_sweep import tokens_to_reach
+    reach = tokens_to_reach(curve, target)
+    return reach / total if reach else None
+
+
+def fmt(x, spec=".4f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def times(x):
+    return "not reached" if x is None else f"{x:.2f}x"
+
+
+def sweep_lines(results):
+    lines = ["| size | optimizer | lr -> final val (best in bold) | bracketed |", "|---|---|---|---|"]
+    for name in STATE["sizes"]:
+        for opt in ("adamw", "muon"):
+            rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == opt and not r["keys"]
+                         and r["seed"] == 0), key=lambda r: r["lr"] if opt == "adamw" else r["muon_lr"])
+            if opt == "muon":
+                rs = [r for r in rs if r["lr"] == (best(results, name, "adamw") or {}).get("lr")]
+            if not rs:
+                continue
+            b = min(rs, key=lambda r: r["final_val"])
+            key = "lr" if opt == "adamw" else "muon_lr"
+            cells = ", ".join(("**{:g}: {:.4f}**" if r is b else "{:g}: {:.4f}").format(r[key], r["final_val"])
+                              for r in rs)
+            lines.append(f"| {name} | {opt} | {cells} | {'yes' if rs[0] is not b and rs[-1] is not b else 'NO'} |")
+    return lines
+
+
+def ablation_lines(results):
+    lines = ["| lever (on top of Muon, small) | delta val, seed 0 / 1 | mean | seed spread | adopted |",
+             "|---|---|---|---|---|"]
+    for lever, (deltas, mean, spread, ok) in ablation(results).items():
+        lines.append(f"| {lever} | {' / '.join(f'{d:+.4f}' for d in deltas)} | {mean:+.4f} | {spread:.4f} | "
+                     f"{'yes' if ok else 'no'} |")
+    return lines
+
+
+def ratio_lines(results):
+    keys = results.get("adopted", {}).get("keys", {})
+    lines = ["| size | model | non-emb params | tokens (per param) | AdamW lr, final val (seeds) | "
+             "today's Muon: tokens ratio | combination: tokens ratio (seeds) |", "|---|---|---|---|---|---|---|"]
+    for name in STATE["sizes"]:
+        a = best(results, name, "adamw")
+        if a is None:
+            continue
+        adamw = [find(results, name, "adamw", a["lr"], None, {}, s) for s in SEEDS]
+        target = statistics.mean(r["final_val"] for r in adamw if r)
+        m = best(results, name, "muon")
+        combos = [find(results, name, "muon", m["lr"], m["muon_lr"], keys, s) for s in SEEDS] if m else []
+        today = ratio(m["curve"], target, a["tokens"]) if m else None
+        cells = " / ".join(times(ratio(c["curve"], target, a["tokens"])) for c in combos if c)
+        size = a["model"]
+        lines.append(f"| {name} | {size['n_layer']} x {size['n_embd']} | {a['params']:,} | {a['tokens']:,} "
+                     f"({a['tokens'] / a['params']:.1f}) | {a['lr']:g}, "
+                     f"{' / '.join(fmt(r and r['final_val']) for r in adamw)} | {times(today)} | "
+                     f"{cells or 'n/a'} |")
+    return lines
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(STATE["sizes"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    keys = results.get("adopted", {}).get("keys", {})
+    for ax, name in zip(axes[0], names):
+        a, m = best(results, name, "adamw"), best(results, name, "muon")
+        shown = [(a, "AdamW (tuned)", "C0"), (m, "Muon (today)", "C3")]
+        if m:
+            shown += [(find(results, name, "muon", m["lr"], m["muon_lr"], keys, s), f"combination, seed {s}", "C2")
+                      for s in SEEDS]
+        for r, label, color in shown:
+            if r:
+                ax.plot(*zip(*r["curve"][1:]), label=label, color=color)
+        if a:
+            ax.axhline(a["final_val"], color="gray", ls=":", lw=1)
+        ax.set(title=f"{name}: {STATE['sizes'][name]}", xlabel="tokens seen", ylabel="val loss (bytes)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(results, md_path):
+    png = os.path.splitext(STATE["results"])[0] + ".png"
+    plot(results, png)
+    adopted = results.get("adopted", {}).get("levers")
+    text = ["# Issue 33's recipe on CPU: tuned AdamW, Muon, its levers, the combination", "",
+            f"Written by `python bench/recipe.py --report` from `{os.path.relpath(STATE['results'], HERE)}` "
+            f"(torch {results['meta']['torch']}, {results['meta']['threads']} threads, {STATE['B']} x {STATE['T']} "
+            f"bytes a step).", "", f"![val loss against tokens]({os.path.relpath(png, os.path.dirname(md_path))})",
+            "", "## Sweeps (seed 0)", "", *sweep_lines(results), "", "## Ablation", "", *ablation_lines(results), "",
+            f"Adopted: {', '.join(adopted) if adopted else 'none yet'}.", "",
+            "## Tokens to reach tuned AdamW's final val loss (mean of its seeds), as a share of AdamW's tokens", "",
+            *ratio_lines(results), ""]
+    with open(md_path + ".tmp", "w") as f:
+        f.write("\n".join(text))
+    os.replace(md_path + ".tmp", md_path)
+    print("\n".join(text))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the four in order)")
+    p.add_argument("--report", action="store_true", help="write the tables and the plot from the JSON")
+    p.add_argument("--calibrate", action="store_true", help="time each candidate size; project a run's minutes")
+    p.add_argument("--adopt", help="combo: these levers (comma-separated names of LEVERS), not the ablation's verdict")
+    p.add_argument("--smoke", action="store_true", help="every phase, then the report, tiny sizes, 3 steps, temp files")
+    p.add_argument("--results", help="the JSON (default bench/results/recipe_cpu.json; --smoke: a temp dir's)")
+    p.add_argument("--md", help="the report (default bench/recipe.md; --smoke: beside its JSON)")
+    p.add_argument("--sizes", help="only these sizes (comma-separated: small,large): one process a size, each with "
+                   "its own --results, on a 2-core CPU")
+    p.add_argument("--threads", type=int, default=1)  # on a shared 2-core CPU 1 beats 2 (3x64: 0.22 s vs 0.47 s)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        STATE.update(SMOKE)
+        args.results = args.results or os.path.join(tempfile.mkdtemp(prefix="recipe_smoke_"), "recipe.json")
+        args.phase, args.report = "all", True
+        args.md = args.md or os.path.join(os.path.dirname(args.results), "recipe.md")
+    STATE["results"], args.md = args.results or RESULTS, args.md or REPORT
+    if args.sizes:
+        STATE["sizes"] = {k: STATE["sizes"][k] for k in args.sizes.split(",")}
+    if args.calibrate:
+        return print(json.dumps(calibrate(), indent=1))
+    results = load()
+    adopt = args.adopt.split(",") if args.adopt else None
+    for phase in (list(PHASES) if args.phase == "all" else [args.phase] if args.phase else []):
+        print(f"phase {phase}", flush=True)
+        PHASES[phase](results, adopt) if phase == "combo" else PHASES[phase](results)
+    if args.report:
+        report(results, args.md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Issue 33's keys through the trainer (lr_schedule, cooldown_frac, muon_split_qkv, muon_momentum_warmup,
+zero_init_proj, embed_lr_mult, scalar_lr_mult): each resumes bit-exact, mid-cooldown and mid-warmup too; all
+of them on, 2-rank DDP and FSDP2 (gloo, CPU) equal one process, fp16 + GradScaler runs, the export opens in
+transformers' text-generation pipeline; zero_init_proj never touches init_from's weights; every group's lr is
+its base_lr x optim.lr_multiplier(step), the one place an lr is computed. Their pieces: tests/test_optim.py.
+
+    python -m pytest -q tests/test_recipe_keys.py
+"""
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import model as model_py
+from conftest import load_ckpt, read_log, run_ranks, save_ckpt, step_losses, tiny_args, tiny_model
+from gpt2train import optim
+from gpt2train.config import parse_args
+from gpt2train.tokenizer import get_encoding
+from model import GPT
+from train_gpt2 import main
+
+MUON = dict(optimizer="muon", muon_lr=2e-2)
+ALL = dict(MUON, lr_schedule="wsd", cooldown_frac=0.5, muon_split_qkv="true", muon_momentum_warmup=3,
+           zero_init_proj="true", embed_lr_mult=3.0, scalar_lr_mult=1.5)  # every lever on
+BUILD = optim.build_optimizers  # the real one, whatever a test patches
+RESUMED = {  # resumed from step 4 of 8
+    "wsd_mid_cooldown": dict(lr_schedule="wsd", cooldown_frac=0.75),  # cools down over steps 2..8
+    "linear_to_zero": dict(lr_schedule="linear", min_lr=0.0),
+    "momentum_mid_warmup": dict(MUON, muon_momentum_warmup=6),  # 0.85 -> 0.95 over steps 0..6
+    "split_qkv": dict(MUON, muon_split_qkv="true"),
+    "zero_init_proj": dict(zero_init_proj="true"),
+    "embed_scalar_lrs": dict(embed_lr_mult=3.0, scalar_lr_mult=2.0),  # adamw: three groups
+    "all": ALL,
+}
+
+
+def assert_bit_exact(a_dir, b_dir, steps):
+    a, b = step_losses(a_dir), step_losses(b_dir)
+    assert sorted(b) == steps and all(a[s] == b[s] for s in b), (a, b)
+    ca, cb = load_ckpt(os.path.join(a_dir, "ckpt_000008.pt")), load_ckpt(os.path.join(b_dir, "ckpt_000008.pt"))
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert set(sa) == set(sb) and all(torch.equal(sa[p][k], sb[p][k]) for p in sa for k in sa[p])
+    hyper = lambda ckpt: [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}  # noqa: E731
+                          for g in ckpt["optimizer"]["param_groups"]]  # (a loaded state's betas are a list)
+    assert hyper(ca) == hyper(cb)  # lrs, base_lrs, Muon's momentum
+
+
+@pytest.mark.parametrize("keys", RESUMED.values(), ids=RESUMED.keys())
+def test_each_key_resumes_bit_exact(keys, data_dir, tmp_path):
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert main(tiny_args(data_dir, straight, **keys)) == 0
+    os.makedirs(resumed)
+    shutil.copy(os.path.join(straight, "ckpt_000004.pt"), resumed)
+    assert main(tiny_args(data_dir, resumed, resume="true", **keys)) == 0
+    assert_bit_exact(straight, resumed, [4, 5, 6, 7])
+
+
+def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch):
+    """Every group of every optimizer steps at its base_lr x optim.lr_multiplier(step) (here the real one x 0.5,
+    so an lr computed anywhere else would show), for each schedule; Muon's momentum is optim.muon_momentum(step);
+    log.jsonl shows each optimizer's lr."""
+    real, seen = optim.lr_multiplier, []
+    monkeypatch.setattr(optim, "lr_multiplier", lambda step, cfg: 0.5 * real(step, cfg))
+    step_fn = optim.optimizer_step
+
+    def recorded(optimizers, *a, **k):
+        stepped = step_fn(optimizers, *a, **k)
+        seen.append([(type(o).__name__, g["base_lr"], g["lr"], g.get("momentum")) for o in optimizers
+                     for g in o.param_groups])
+        return stepped
+    monkeypatch.setattr(optim, "optimizer_step", recorded)
+    for kind in optim.SCHEDULES:
+        out, seen[:] = str(tmp_path / kind), []
+        args = tiny_args(data_dir, out, **{**ALL, "lr_schedule": kind}, checkpoint_interval=0, eval_interval=0)
+        assert main(args) == 0
+        cfg = parse_args(args)[0]
+        assert len(seen) == 8
+        for step, groups in enumerate(seen):
+            assert sorted({base for _, base, _, _ in groups}) == pytest.approx([1.5e-2, 2e-2, 3e-2])  # 1-D, muon, embed
+            for name, base, lr, momentum in groups:
+                assert lr == base * 0.5 * real(step, cfg), (kind, step, name)
+                assert name == "AdamW" or momentum == optim.muon_momentum(step, cfg)
+        logged = [e for e in read_log(out) if "loss" in e]
+        assert [e["lr"] for e in logged] == [groups[0][2] for groups in seen]
+        assert [e["muon_lr"] for e in logged] == [groups[-1][2] for groups in seen]
+    assert seen[0][-1][3] == 0.85 and seen[-1][-1][3] == pytest.approx(0.95)
+
+
+def first_weights(monkeypatch):
+    """{name: tensor} of the model the trainer hands build_optimizers (its weights before any step)."""
+    got = {}
+
+    def spy(model, *a, **k):
+        got.update({n: p.detach().clone() for n, p in model.state_dict().items()})
+        return BUILD(model, *a, **k)
+    monkeypatch.setattr(optim, "build_optimizers", spy)
+    return got
+
+
+def test_zero_init_proj_on_scratch_only(data_dir, tmp_path, monkeypatch):
+    """Scratch: the c_proj weights start at 0, every other tensor as without the key (same RNG draws);
+    init_from (a checkpoint) with zero_init_proj: its weights, every one untouched."""
+    runs = {}
+    for name, keys in (("plain", {}), ("zero", dict(zero_init_proj="true"))):
+        runs[name] = first_weights(monkeypatch)
+        assert main(tiny_args(data_dir, str(tmp_path / name), max_steps=1, eval_interval=0, **keys)) == 0
+    proj = [k for k in runs["plain"] if k.endswith("c_proj.weight")]
+    assert len(proj) == 2 and all(runs["zero"][k].eq(0).all() and runs["plain"][k].ne(0).any() for k in proj)
+    assert all(torch.equal(runs["zero"][k], runs["plain"][k]) for k in runs["plain"] if k not in proj)
+    trained = tiny_model(seed=5)
+    ckpt = save_ckpt(trained, tmp_path / "trained.pt")
+    loaded = first_weights(monkeypatch)
+    assert main(tiny_args(data_dir, str(tmp_path / "from"), init_from=ckpt, zero_init_proj="true", max_steps=1,
+                          eval_interval=0)) == 0
+    want = trained.state_dict()
+    assert set(loaded) == set(want) and all(torch.equal(loaded[k], want[k]) for k in want)
+
+
+COMMON = dict(ALL, n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
+              min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
+
+
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("all_one"))
+    assert main(tiny_args(data_dir, out, **COMMON, val_steps=4)) == 0
+    return out
+
+
+@pytest.mark.parametrize("fsdp", ["false", "true"])
+def test_all_keys_on_two_ranks_equal_one_process(fsdp, one_process, data_dir, tmp_path):
+    out = str(tmp_path / "two")
+    run_ranks(tiny_args(data_dir, out, **COMMON, val_steps=2, fsdp=fsdp), out)
+    a, b = step_losses(one_process), step_losses(out)
+    assert sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
+    wa, wb = (load_ckpt(os.path.join(d, "ckpt_000004.pt")) for d in (one_process, out))
+    w2 = load_ckpt(os.path.join(one_process, "ckpt_000002.pt"))["model"]
+    moved = max((wa["model"][k] - w2[k]).abs().max().item() for k in w2)  # steps 2 and 3's update
+    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-3 * moved
+    sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
+    assert set(sa) == set(sb) and max((sa[p][k] - sb[p][k]).abs().max().item() for p in sa for k in sa[p]
+                                      if k != "step") <= 1e-5
+
+
+def test_all_keys_fp16_with_grad_scaler(one_process, data_dir, tmp_path):
+    out = str(tmp_path / "fp16")
+    assert main(tiny_args(data_dir, out, **COMMON, val_steps=4, precision="fp16")) == 0
+    a, b = step_losses(one_process), step_losses(out)
+    assert all(math.isfinite(v) for v in b.values()) and all(abs(a[s] - b[s]) < 0.05 for s in a), (a, b)
+    ckpt = load_ckpt(os.path.join(out, "ckpt_000004.pt"))
+    assert ckpt["scaler"]["scale"] > 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_all_keys_export_to_a_text_generation_pipeline(data_dir, tmp_path):
+    from transformers import pipeline
+    out = str(tmp_path / "run")
+    assert main(tiny_args(data_dir, out, vocab_size=50304, max_steps=2, eval_interval=0, checkpoint_interval=0,
+                          **ALL)) == 0
+    ckpt, hf = os.path.join(out, "ckpt_000002.pt"), str(tmp_path / "hf")
+    assert model_py.main(["export", ckpt, hf]) == 0
+    prompt, enc = "Hello, I'm a language model,", get_encoding()
+    ids = pipeline("text-generation", model=hf, device="cpu")(prompt, max_new_tokens=8, do_sample=False,
+                                                             return_tensors=True)[0]["generated_token_ids"]
+    ours = GPT.from_checkpoint(ckpt).generate(torch.tensor([enc.encode_ordinary(prompt)]), 8, temperature=0)[0]
+    assert list(ids) == ours.tolist()
