@@ -526,3 +526,22 @@ def pytest_sessionfinish(session, exitstatus):
             print("\n".join(lines), file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
+def assert_export_generates_like_us(data_dir, tmp_path, **keys):
+    """Two steps of a GPT-2-vocabulary run with these keys, exported: transformers' text-generation pipeline
+    continues a prompt greedily exactly as our GPT.generate does."""
+    from transformers import pipeline
+
+    import model as model_py
+    from gpt2train.tokenizer import get_encoding
+    from train_gpt2 import main
+    out = str(tmp_path / "run")
+    assert main(tiny_args(data_dir, out, vocab_size=50304, max_steps=2, eval_interval=0, checkpoint_interval=0,
+                          **keys)) == 0
+    ckpt, hf = os.path.join(out, "ckpt_000002.pt"), str(tmp_path / "hf")
+    assert model_py.main(["export", ckpt, hf]) == 0
+    prompt, enc = "Hello, I'm a language model,", get_encoding()
+    ids = pipeline("text-generation", model=hf, device="cpu")(prompt, max_new_tokens=8, do_sample=False,
+                                                             return_tensors=True)[0]["generated_token_ids"]
+    ours = GPT.from_checkpoint(ckpt).generate(torch.tensor([enc.encode_ordinary(prompt)]), 8, temperature=0)[0]
+    assert list(ids) == ours.tolist()

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from gpt2train import optim
-import model as model_py
-from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args
-from model import GPT
-from gpt2train.tokenizer import get_encoding
+from conftest import assert_export_generates_like_us, load_ckpt, read_log, run_ranks, step_losses, tiny_args
 from train_gpt2 import main
 
 MUON = dict(optimizer="muon", muon_lr=2e-2)
@@ -111,17 +108,7 @@ def assert_same_muon_run(a_dir, b_dir):
 
 
 def test_muon_checkpoint_exports_to_a_text_generation_pipeline(data_dir, tmp_path):
-    from transformers import pipeline
-    out = str(tmp_path / "run")
-    assert main(tiny_args(data_dir, out, vocab_size=50304, max_steps=2, eval_interval=0, checkpoint_interval=0,
-                          **MUON)) == 0
-    ckpt, hf = os.path.join(out, "ckpt_000002.pt"), str(tmp_path / "hf")
-    assert model_py.main(["export", ckpt, hf]) == 0
-    prompt, enc = "Hello, I'm a language model,", get_encoding()
-    ids = pipeline("text-generation", model=hf, device="cpu")(prompt, max_new_tokens=8, do_sample=False,
-                                                             return_tensors=True)[0]["generated_token_ids"]
-    ours = GPT.from_checkpoint(ckpt).generate(torch.tensor([enc.encode_ordinary(prompt)]), 8, temperature=0)[0]
-    assert list(ids) == ours.tolist()
+    assert_export_generates_like_us(data_dir, tmp_path, **MUON)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
