@@ -193,7 +193,7 @@ def resume_point(cfg, given, env, device, lock, say):
 def place_model(cfg, given, ckpt, seq_len, plan, env, say):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot do)."""
     raw_model = load_model(cfg, given, ckpt, verbose=env.master)
-    raw_model.config.activation_checkpointing = cfg.activation_checkpointing  # the run decides this one
+    raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing)  # the run's, never a checkpoint's
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under torchrun, "
                         "or drop --fsdp")
@@ -255,9 +255,9 @@ def setup(cfg, given, env, say, lock):
 
     # micro-batch (and on small GPUs seq_len), compile, DDP: once the model and optimizers exist
     B, T, why, timed = memory.choose_micro_batch(
-        raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size,
-        env.world_size, auto=cfg.auto_micro_batch, fit="micro_batch_size" not in given, optimizer=cfg.optimizer,
-        shrink_seq="seq_len" not in given and ckpt is None, warn=say)
+        raw_model, optimizers, plan, "auto" if cfg.auto_micro_batch else cfg.micro_batch_size, cfg.seq_len,
+        cfg.total_batch_size, env.world_size, fit="micro_batch_size" not in given, optimizer=cfg.optimizer,
+        shrink_seq="seq_len" not in given and ckpt is None, warn=say, default=cfg.micro_batch_size)
     if why:
         say(why)
     memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
