@@ -45,6 +45,7 @@ from gpt2train.memory import (activation_bytes_estimate, auto_micro_batch, estim
                               free_memory, loss_chunk, optimizer_state_tensors, param_counts, random_batch,
                               tensor_bytes, training_bytes_estimate)
 from gpt2train.optim import train_step
+from gpt2train.loss import CE_CHUNK_ROWS
 from gpt2train.precision import is_oom
 
 # -----------------------------------------------------------------------------
@@ -157,14 +158,13 @@ def fused_available(device_type):
     return True
 
 
-def build(settings, size, seq_len, device, device_type, optimizer="adamw", chunk_rows=GPTConfig.ce_chunk_rows):
+def build(settings, size, seq_len, device, device_type, optimizer="adamw", chunk_rows=CE_CHUNK_ROWS):
     """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the trainer's)
     for one rung's settings; chunk_rows: the chunked loss's rows a chunk (the trainer's: memory.loss_chunk)."""
     torch.manual_seed(1337)
     config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
-                       loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"], ce_chunk_rows=chunk_rows,
-                       **SIZES[size])
-    raw = GPT(config).to(device)
+                       loss_impl=settings["loss"], **SIZES[size])
+    raw = GPT(config, activation_checkpointing=settings["ckpt"], ce_chunk_rows=chunk_rows).to(device)
     optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=device_type,
                                         ns_dtype=optim.ns_dtype_for(settings.get("dtype"), device_type),
                                         fused=settings["fused"], verbose=False)
@@ -552,7 +552,8 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     params = list(raw.parameters())
     p, g = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params)
     o = tensor_bytes(optimizer_state_tensors(optimizers))
-    est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type)
+    est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type,
+                                                activation_checkpointing=ckpt)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  ({OPTIMIZER_STATE[optimizer]})",
@@ -588,11 +589,12 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     else:
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
     for d in (torch.float32, torch.bfloat16):
-        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d)
+        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d, activation_checkpointing=ckpt)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
-    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer)
+    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer,
+                                    ckpt)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) +
                  f"; total {fmt_bytes(sum(parts.values()))}")
@@ -627,9 +629,9 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
         for gpu, gib, dtype in GPUS:
             cells = []
             for _, world, fsdp, loss, ckpt in FIT_MODES:
-                config = GPTConfig(vocab_size=50304, loss_impl=loss, activation_checkpointing=ckpt, **SIZES[size])
+                config = GPTConfig(vocab_size=50304, loss_impl=loss, **SIZES[size])
                 b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp,
-                                          optimizer=optimizer)
+                                          optimizer=optimizer, activation_checkpointing=ckpt)
                 cells.append(str(b) if b else "-")
             n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
             lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")

@@ -9,8 +9,10 @@ The GPT-2 model, in one file.
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
 GPTConfig(loss_impl="full") returns the logits with the loss (F.cross_entropy); the default chunked
-loss never builds them. GPTConfig(activation_checkpointing="blocks" or "every_other") recomputes
-those blocks in backward instead of keeping their activations.
+loss never builds them. GPTConfig is the architecture a checkpoint saves; how a run executes the model
+is set apart from it (GPT(config, activation_checkpointing="blocks") or model.set_runtime(...)):
+activation_checkpointing="blocks" or "every_other" recomputes those blocks in backward instead of keeping
+their activations, ce_chunk_rows is the chunked loss's rows of logits at a time.
 
 Also here: FLOPs per token (gpt2train/precision.py has the MFU). The chunked loss is gpt2train/loss.py's.
 From the command line:
@@ -56,8 +58,10 @@ class GPTConfig:
     n_embd: int = 768
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
     loss_impl: str = "chunked"  # with targets: "chunked" (loss only, no (B, T, V) logits) or "full" (logits too)
-    activation_checkpointing: str = "none"  # "none", "blocks" (all) or "every_other" (blocks 0, 2, 4, ...)
-    ce_chunk_rows: int = CE_CHUNK_ROWS  # chunked loss: rows of logits at a time (gpt2train/loss.py)
+
+
+CHECKPOINTING = ("none", "blocks", "every_other")  # activation checkpointing: no block, all, blocks 0, 2, 4, ...
+RUNTIME_KEYS = ("activation_checkpointing", "ce_chunk_rows")  # run-time settings: older checkpoints' model_args
 
 
 # the four OpenAI checkpoints
@@ -133,9 +137,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
         super().__init__()
         self.config = config
+        self.set_runtime(activation_checkpointing, ce_chunk_rows)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -167,6 +172,21 @@ class GPT(nn.Module):
                 block.mlp.c_proj.weight.zero_()
         return self
 
+    def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None):
+        """How this run executes the model, never part of its config or a checkpoint: the blocks recomputed in
+        backward (CHECKPOINTING) and the chunked loss's rows of logits at a time. None keeps the value. Set
+        before torch.compile: the compiled graph guards on both."""
+        if activation_checkpointing is not None:
+            if activation_checkpointing not in CHECKPOINTING:
+                raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
+                                 f"{', '.join(CHECKPOINTING)}")
+            self.activation_checkpointing = activation_checkpointing
+        if ce_chunk_rows is not None:
+            if type(ce_chunk_rows) is not int or ce_chunk_rows < 1:
+                raise ValueError(f"ce_chunk_rows must be a positive integer, got {ce_chunk_rows!r}")
+            self.ce_chunk_rows = ce_chunk_rows
+        return self
+
     def hidden_states(self, idx, pos=None, attn_mask=None):
         """The final layer-normed hidden states (B, T, n_embd); lm_head turns them into logits.
         By default token t sits at position t and attends causally. Packed sequences (several
@@ -186,7 +206,7 @@ class GPT(nn.Module):
 
     def checkpointed(self, i):
         """Whether block i runs under activation checkpointing (only when gradients are being recorded)."""
-        mode = self.config.activation_checkpointing
+        mode = self.activation_checkpointing
         return torch.is_grad_enabled() and (mode == "blocks" or mode == "every_other" and i % 2 == 0)
 
     def forward(self, idx, targets=None, pos=None, attn_mask=None):
@@ -197,7 +217,7 @@ class GPT(nn.Module):
         h = self.hidden_states(idx, pos, attn_mask)  # (B, T, C)
         if targets is not None and self.config.loss_impl == "chunked":
             return None, chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               self.config.ce_chunk_rows, self.loss_body)
+                                               self.ce_chunk_rows, self.loss_body)
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -297,10 +317,11 @@ class GPT(nn.Module):
     def from_checkpoint(cls, ckpt):
         """Load the model from one of train_gpt2.py's checkpoints (a ckpt_XXXXXX.pt path, or the dict
         read_checkpoint() returned): its 'model_args' build the GPTConfig and 'model' holds the
-        state_dict (no compile/DDP prefixes). A wrong shape or key is one UserError line."""
+        state_dict (no compile/DDP prefixes); older ones' run-time settings there (RUNTIME_KEYS) are left out.
+        A wrong shape or key is one UserError line."""
         path, ckpt = (ckpt, read_checkpoint(ckpt)) if isinstance(ckpt, str) else ("the checkpoint", ckpt)
         try:
-            config = GPTConfig(**ckpt["model_args"])
+            config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k not in RUNTIME_KEYS})
             check_config(config, ckpt["model"])  # before building: a foreign dict never sizes the model
             model = cls(config)
             model.load_state_dict(ckpt["model"])
@@ -334,13 +355,12 @@ def check_config(config, state_dict):
     """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
     its modes are known ones (a checkpoint's model_args against its model)."""
     sizes = {k: getattr(config, k)
-             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "ce_chunk_rows")}
+             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
     if not all(type(v) is int and v >= 1 for v in sizes.values()):
         raise ValueError(f"model_args {sizes} must be positive integers")
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
-    modes = {"attn_impl": ("sdpa", "naive"), "loss_impl": ("chunked", "full"),
-             "activation_checkpointing": ("none", "blocks", "every_other")}
+    modes = {"attn_impl": ("sdpa", "naive"), "loss_impl": ("chunked", "full")}
     for k, allowed in modes.items():
         if getattr(config, k) not in allowed:
             raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")

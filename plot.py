@@ -19,7 +19,7 @@ from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail,
 # -----------------------------------------------------------------------------
 # reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as hellaswag.py)
 # GPT-2 124M and 1558M: 0.2955 and 0.4893 over the 10,042 val rows, karpathy/build-nanogpt hellaswag.py
-# docstring (also llm.c dev/data/hellaswag.py; our README's table). GPT-2 350M and 774M: 0.3752 and
+# docstring (also llm.c dev/data/hellaswag.py; our docs/hellaswag.md table). GPT-2 350M and 774M: 0.3752 and
 # 0.4320, the `hella2_baseline` table of karpathy/build-nanogpt play.ipynb (llm.c's evaluation; it has
 # 0.2945 for 124M, so these two may sit ~0.001 off this method). GPT-3: zero-shot HellaSwag of Brown et
 # al. 2020 (arXiv:2005.14165, appendix H: every task at every size), as in the `hella3_baseline` table of

@@ -31,6 +31,13 @@ def load(path):
     return mod
 
 
+def tiny_gpt(mod, chunk_rows):
+    """The tiny GPT of that model.py, chunk_rows rows a chunk: a run-time setting now, a GPTConfig field before."""
+    if "ce_chunk_rows" in mod.GPTConfig.__dataclass_fields__:
+        return mod.GPT(mod.GPTConfig(**TINY, ce_chunk_rows=chunk_rows))
+    return mod.GPT(mod.GPTConfig(**TINY), ce_chunk_rows=chunk_rows)
+
+
 def step(model, x, y):
     t0 = time.perf_counter()
     _, loss = model(x, y)
@@ -44,7 +51,7 @@ def maxrss_mib():
 
 def compile_time(mod, chunk_rows, B=64, T=1024):
     torch.manual_seed(0)
-    model = mod.GPT(mod.GPTConfig(**TINY, ce_chunk_rows=chunk_rows))
+    model = tiny_gpt(mod, chunk_rows)
     x, y = torch.randint(0, 50257, (B, T)), torch.randint(0, 50257, (B, T))
     if hasattr(model, "compile_loss_head"):  # as precision.compile_model does: the head's per-chunk body too
         model.compile_loss_head()
@@ -81,7 +88,7 @@ class PeakTensors(TorchDispatchMode):
 def memory(mod, chunk_rows, B=8, T=1024):
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        model = mod.GPT(mod.GPTConfig(**TINY, ce_chunk_rows=chunk_rows))
+        model = tiny_gpt(mod, chunk_rows)
         x, y = torch.randint(0, 50257, (B, T)), torch.randint(0, 50257, (B, T))
         counter = PeakTensors(exclude=model.parameters())
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ the lock that keeps one live run per out_dir.
 Checkpoints hold plain tensors/dicts/numbers only, so torch.load(weights_only=True) reads them; the
 optimizer state is keyed by parameter name (one state for AdamW alone, or AdamW + Muon together).
 """
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -244,15 +245,15 @@ def _boot_id():
 
 
 def _process_start(pid):
-    """The start time of a live process (in clock ticks since boot), "" where /proc has none, None when
-    no such process: a pid reused by another program does not look like the holder."""
+    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there is no
+    such process: a pid reused by another program does not look like the holder."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         pass
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # no /proc (macOS): alive or not, no start time
     except ProcessLookupError:
         return None
     except PermissionError:
@@ -261,93 +262,78 @@ def _process_start(pid):
 
 
 class OutDirLock:
-    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google
-    Drive, where fcntl/flock locks may not hold or may not be seen by another machine), holding the
-    holder's pid, host and start time; a thread refreshes its mtime every HEARTBEAT seconds. A lock is
-    stale, and taken over, when its holder is on this host and gone (or its pid now is another process,
-    or the machine rebooted), or on another host and silent for STALE seconds: a crashed, SIGKILLed or
-    preempted run never blocks resume=auto."""
-    HEARTBEAT = 30.0
-    STALE = 300.0
+    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google Drive,
+    where fcntl/flock locks may not hold), naming its holder; a thread touches it every HEARTBEAT seconds. Stale,
+    and taken over: a holder on this host that is gone (its pid gone or now another process, or the machine
+    rebooted), or one on another host silent for STALE seconds. A killed run never blocks resume=auto."""
+    HEARTBEAT, STALE = 30.0, 300.0
 
     def __init__(self):
-        self.out_dir = self.path = None
-        self.made_dirs, self._stop, self._thread = [], threading.Event(), None
+        self.path, self.made_dirs, self.stopped = None, [], threading.Event()
         self.me = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
                    "process_start": _process_start(os.getpid()) or "",
                    "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
     def holder(self):
-        """The lock's content (a dict), or None when there is none or it is stale."""
+        """The lock's live holder (what it holds), or None: no lock, or a stale one."""
+        age = 0.0
         try:
+            age = time.time() - os.path.getmtime(self.path)
             with open(self.path) as f:
                 held = json.load(f)
-            age = time.time() - os.path.getmtime(self.path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError):  # half-written by a run killed while taking it
-            return None if time.time() - os.path.getmtime(self.path) > 5 else {"pid": "?", "host": "?", "since": "?"}
+            return None if age > 5 else {"pid": "?", "host": "?", "since": "?"}
         if held.get("host") != self.me["host"]:
             return held if age < self.STALE else None
-        if held.get("boot_id") != self.me["boot_id"]:
-            return None
-        start = _process_start(int(held.get("pid", -1)))
+        start = _process_start(int(held.get("pid", -1))) if held.get("boot_id") == self.me["boot_id"] else None
         return held if start is not None and start == held.get("process_start", start) else None
 
     def acquire(self, out_dir):
-        """Take out_dir's lock or raise UserError naming the live holder. Idempotent for this process."""
-        self.out_dir, self.path = out_dir, os.path.join(out_dir, "run.lock")
-        missing, d = [], os.path.abspath(out_dir)
-        while not os.path.isdir(d) and os.path.dirname(d) != d:  # the folders this run makes: out/my_book, out
-            missing.append(d)
+        """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a no-op."""
+        self.path, d = os.path.join(out_dir, "run.lock"), os.path.abspath(out_dir)
+        while not os.path.isdir(d) and os.path.dirname(d) != d:  # the folders made for the run: out/my_book, out
+            self.made_dirs.append(d)
             d = os.path.dirname(d)
-        if missing:
-            os.makedirs(self.out_dir)
-            self.made_dirs = missing
+        os.makedirs(out_dir, exist_ok=True)
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
             except FileExistsError:
                 held = self.holder()
-                if held is not None and held.get("pid") == self.me["pid"] and held.get("host") == self.me["host"]:
+                if held is not None and (held.get("pid"), held.get("host")) == (self.me["pid"], self.me["host"]):
                     return self
                 if held is not None:
-                    raise UserError(f"out_dir {self.out_dir!r} is in use by a live run: pid {held.get('pid')} on "
+                    raise UserError(f"out_dir {out_dir!r} is in use by a live run: pid {held.get('pid')} on "
                                     f"{held.get('host')}, since {held.get('since')} ({self.path}); wait for it to "
                                     f"finish or stop it, or choose another --out_dir") from None
                 stale = f"{self.path}.stale.{os.getpid()}"  # one of several racers wins the O_EXCL that follows
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.replace(self.path, stale)
                     os.remove(stale)
-                except FileNotFoundError:
-                    pass
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
-            self._thread = threading.Thread(target=self._beat, daemon=True)
-            self._thread.start()
+            threading.Thread(target=self.beat, daemon=True).start()
             return self
         raise UserError(f"could not take {self.path}: other runs keep taking it; choose another --out_dir")
 
-    def _beat(self):
-        while not self._stop.wait(self.HEARTBEAT):
-            try:
+    def beat(self):
+        while not self.stopped.wait(self.HEARTBEAT):
+            with contextlib.suppress(OSError):
                 os.utime(self.path)
-            except OSError:
-                pass
 
     def release(self):
-        """Remove the lock if it is still ours (and the folders this run made for out_dir, left empty)."""
-        self._stop.set()
-        if self.path is None:
+        """Remove the lock if it is still ours, and the folders acquire made for out_dir, left empty."""
+        self.stopped.set()
+        if self.path is None:  # never acquired
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):
             with open(self.path) as f:
                 ours = json.load(f).get("pid") == self.me["pid"]
             if ours:
                 os.remove(self.path)
-        except (OSError, ValueError):
-            pass
         for d in self.made_dirs:  # deepest first; one that holds anything stays, and so do those above it
             try:
                 os.rmdir(d)

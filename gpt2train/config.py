@@ -42,8 +42,7 @@ class Config:
     block_size: int = 1024  # the longest context the model takes (its position embeddings)
     vocab_size: int = 50304  # 50257 padded to a multiple of 64: faster matmuls
     # batch: total_batch_size tokens per optimizer step, in micro-batches of micro_batch_size x seq_len per rank
-    micro_batch_size: int = 64  # rows per micro-batch; --micro_batch_size=auto sets auto_micro_batch instead
-    auto_micro_batch: bool = False  # CUDA: probe for the largest fast micro-batch that fits (memory.choose_micro_batch)
+    micro_batch_size: int = 64  # rows per micro-batch; auto: probe the GPU for the largest fast one that fits
     seq_len: int = 1024  # tokens per row of a micro-batch, at most block_size
     total_batch_size: int = 524288  # 2**19 tokens, ~0.5M as in GPT-3 Small
     # optimization: linear warmup then lr_schedule down to min_lr, one multiplier of every optimizer's lrs
@@ -109,6 +108,7 @@ CHOICES = {
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+AUTO_INTS = ("micro_batch_size",)  # int keys that also take "auto": the run decides (memory.choose_micro_batch)
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 # nanoGPT's and build-nanogpt's names for our keys: a did-you-mean that explains the difference
 NANOGPT_NAMES = {
@@ -137,17 +137,23 @@ def check_key(key):
     raise UserError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(FIELDS)}")
 
 
+def kind(key):
+    """What a key takes, in words."""
+    return ("true, false or auto" if key == "resume" else
+            TYPE_NAMES[FIELDS[key].type] + (' or "auto"' if key in AUTO_INTS else ""))
+
+
 def check_value(key, value):
     """value (from a config file, or parsed from the command line) as the key's type, or UserError."""
     if key == "resume" and isinstance(value, bool):  # resume = True in a config file
         value = str(value).lower()
     t = FIELDS[key].type
+    if key in AUTO_INTS and value == "auto":  # kept as the word: the run decides, config.json shows it as asked
+        return value
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        kind = ('an integer or "auto"' if key == "micro_batch_size" else "true, false or auto" if key == "resume"
-                else TYPE_NAMES[t])
-        raise UserError(f"{key} must be {kind}, got {value!r} (default: {FIELDS[key].default!r})")
+        raise UserError(f"{key} must be {kind(key)}, got {value!r} (default: {FIELDS[key].default!r})")
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(f"{key} must be one of {', '.join(CHOICES[key])}; got {value!r}")
     return value
@@ -156,7 +162,7 @@ def check_value(key, value):
 def parse_value(key, text):
     """A --key=value string as the key's type."""
     t = FIELDS[key].type
-    if key == "micro_batch_size" and text == "auto":
+    if key in AUTO_INTS and text == "auto":
         return text
     if key == "resume":
         return {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(text.lower(), text.lower())
@@ -165,8 +171,7 @@ def parse_value(key, text):
             return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
         return t(text)
     except (KeyError, ValueError):
-        kind = 'an integer or "auto"' if key == "micro_batch_size" else TYPE_NAMES[t]
-        raise UserError(f"--{key}={text} is not {kind} (default: {FIELDS[key].default!r})") from None
+        raise UserError(f"--{key}={text} is not {kind(key)} (default: {FIELDS[key].default!r})") from None
 
 
 def read_config_file(path):
@@ -186,8 +191,7 @@ def read_config_file(path):
 
 def parse_args(argv):
     """Config files and --key=value overrides, applied in order. Returns (the frozen Config, {key the user
-    set: "cli" or the config file's path, where it was set last}). micro_batch_size=auto is stored as
-    auto_micro_batch=true."""
+    set: "cli" or the config file's path, where it was set last})."""
     values, given = {}, {}
     for arg in argv:
         if arg.startswith("--"):
@@ -200,11 +204,6 @@ def parse_args(argv):
             items, source = read_config_file(arg), arg
         for key, value in items.items():
             check_key(key)
-            if key == "micro_batch_size":  # "auto" or a number: which one, said once, here
-                values["auto_micro_batch"] = value == "auto"
-                given["auto_micro_batch"] = given[key] = source
-                if value == "auto":
-                    continue
             values[key] = check_value(key, value)
             given[key] = source
     cfg = Config(**values)
@@ -216,7 +215,7 @@ def validate(cfg):
     """Refuse what cannot run or contradicts itself: one UserError line."""
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
                 "total_batch_size", "max_steps", "val_steps", "num_samples", "dist_timeout"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) != "auto" and getattr(cfg, key) < 1:  # (auto: AUTO_INTS)
             raise UserError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup_steps", "eval_interval", "hellaswag_interval", "hellaswag_limit", "sample_interval",
                 "sample_tokens", "checkpoint_interval", "checkpoint_minutes", "keep_last", "time_limit",
@@ -276,10 +275,8 @@ def asked_and_resolved(cfg, given, resolved):
     the run used; "decided": the keys whose resolved value differs from the asked or default one (device,
     precision, micro-batch, ...), so a user sees at a glance what the run chose."""
     asked, got = dataclasses.asdict(cfg), dataclasses.asdict(resolved)
-    if cfg.auto_micro_batch:  # as the user wrote it: micro_batch_size=auto (not the int default beside a flag)
-        asked.update(micro_batch_size="auto", auto_micro_batch=None)
-    return {"asked": {k: asked[k] for k in asked if k in given and asked[k] is not None}, "resolved": got,
-            "decided": sorted(k for k in asked if asked[k] != got[k] and k != "auto_micro_batch")}
+    return {"asked": {k: asked[k] for k in asked if k in given}, "resolved": got,
+            "decided": sorted(k for k in asked if asked[k] != got[k])}
 
 
 # -----------------------------------------------------------------------------
@@ -289,7 +286,7 @@ def asked_and_resolved(cfg, given, resolved):
 def config_sections():
     """Config's keys as [(section, [names])] and {name: meaning}, read from its source: a comment line
     opens a section, the comment that ends a field's line says what it means. --help prints these, and
-    tests/test_readme.py holds the README's key list to them."""
+    tests/test_readme.py holds docs/training.md's key list to them."""
     sections, meaning = [], {}
     for line in inspect.getsource(Config).splitlines():
         code = line.strip()
@@ -316,9 +313,9 @@ def help_text(width=None):
         lines += ["", textwrap.fill(title + ":", width, break_on_hyphens=False)]
         for name in names:
             f = FIELDS[name]
-            kind = ("|".join(CHOICES[name]) if name in CHOICES else "int|auto" if name == "micro_batch_size"
-                    else "true|false" if f.type is bool else f.type.__name__)
-            lines.append(f"  --{name} {kind}")
+            shown = ("|".join(CHOICES[name]) if name in CHOICES else "true|false" if f.type is bool else
+                     f.type.__name__ + ("|auto" if name in AUTO_INTS else ""))
+            lines.append(f"  --{name} {shown}")
             lines.append(textwrap.fill(f"{meaning[name]} (default: {json.dumps(f.default)})", width,
                                        initial_indent=" " * 6, subsequent_indent=" " * 6, break_long_words=False,
                                        break_on_hyphens=False))

@@ -3,10 +3,11 @@ What a training step holds in memory, and the micro-batch that fits: estimated f
 fitted to a GPU's memory, or probed on the GPU (micro_batch_size=auto).
 
     parts = training_bytes_estimate(model.config, 64, 1024, torch.bfloat16)      # {part: bytes}
+    training_bytes_estimate(config, 64, 1024, activation_checkpointing="blocks")  # a run's settings: arguments
     B, T, reason, model = choose_micro_batch(raw_model, optimizers, plan, ...)    # the trainer's one call
     python bench.py --memory | --fit | --find_batch                               # the reports
 
-Imports torch, model, precision, distributed and fileio only.
+Imports torch and gpt2train's loss, optim, precision, distributed and fileio only (never model.py).
 """
 import dataclasses
 import gc
@@ -52,13 +53,13 @@ def optimizer_state_tensors(optimizers):
     return [v for opt in optimizers for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
-def checkpointed_layers(config):
+def checkpointed_layers(n_layer, activation_checkpointing):
     """How many blocks run under activation checkpointing (GPT.checkpointed says which)."""
-    L = config.n_layer
-    return {"none": 0, "blocks": L, "every_other": (L + 1) // 2}[config.activation_checkpointing]
+    return {"none": 0, "blocks": n_layer, "every_other": (n_layer + 1) // 2}[activation_checkpointing]
 
 
-def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False):
+def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False,
+                              activation_checkpointing="none"):
     """Arithmetic estimate of what one forward of our GPT leaves alive for backward, in bytes, and the
     logits it returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
@@ -80,7 +81,7 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
         per_layer += B * nh * T * 4
     else:
         per_layer += B * nh * T * T * (4 if a == 4 else 6 if device_type == "cuda" else 2) + T * T
-    n_ckpt = checkpointed_layers(config)
+    n_ckpt = checkpointed_layers(L, activation_checkpointing)
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
     full = config.loss_impl == "full"
@@ -100,7 +101,8 @@ def param_counts(config):
 
 
 def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", world_size=1,
-                            fsdp=False, optimizer="adamw"):
+                            fsdp=False, optimizer="adamw", activation_checkpointing="none",
+                            ce_chunk_rows=CE_CHUNK_ROWS):
     """Bytes one rank needs for a training step, by part (a dict), computed from the shapes for the
     eager model (torch.compile fuses some activations away). Meant to be safe for "does it fit": it
     counts all the gradients as alive together with all the activations and adds the largest
@@ -114,7 +116,8 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     a (V, C) product) or a block's in backward (its recomputed activations when checkpointed, and
     about 8 x B*T*C fp32 of gradients flowing through it). Gradients and activations do meet from
     the second micro-step of an accumulating step on. On CPU it lies 7-110% above the measured peak
-    of forward + backward (step_peak_bytes, tests/test_bench.py)."""
+    of forward + backward (step_peak_bytes, tests/test_bench.py). activation_checkpointing and ce_chunk_rows:
+    the run's settings of the model (GPT.set_runtime)."""
     n, block = param_counts(config)
     B, T, C, V, L = micro_batch, seq_len, config.n_embd, config.vocab_size, config.n_layer
     a = 4 if dtype == torch.float32 else 2
@@ -125,24 +128,25 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     if fsdp:
         p = torch.finfo(fsdp_param_dtype(dtype, device_type)).bits // 8
         parts["FSDP gathered"] = 2 * 4 * (n - L * block) + 3 * p * block
-    parts["activations"], parts["logits"] = activation_bytes_estimate(config, B, T, dtype, device_type, fsdp)
+    parts["activations"], parts["logits"] = activation_bytes_estimate(config, B, T, dtype, device_type, fsdp,
+                                                                      activation_checkpointing)
     if config.loss_impl == "full":
         head = B * T * V * (8 + (a if a == 2 else 0))
     else:
-        head = loss_head_temp_bytes(B * T, V, C, config.ce_chunk_rows, dtype, device_type)
-    per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1, activation_checkpointing="none"),
-                                          B, T, dtype, device_type)[0] - activation_bytes_estimate(
-        dataclasses.replace(config, n_layer=0, activation_checkpointing="none"), B, T, dtype, device_type)[0]
-    layer = (per_layer if checkpointed_layers(config) else 0) + 8 * B * T * C * 4
+        head = loss_head_temp_bytes(B * T, V, C, ce_chunk_rows, dtype, device_type)
+    per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1), B, T, dtype, device_type)[0] - \
+        activation_bytes_estimate(dataclasses.replace(config, n_layer=0), B, T, dtype, device_type)[0]
+    layer = (per_layer if checkpointed_layers(L, activation_checkpointing) else 0) + 8 * B * T * C * 4
     parts["largest temporary"] = max(head, layer)
     return parts
 
 
 def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096,
-                          optimizer="adamw"):
+                          optimizer="adamw", activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
     """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
     def fits(b):
-        parts = training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp, optimizer)
+        parts = training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp, optimizer,
+                                        activation_checkpointing, ce_chunk_rows)
         return sum(parts.values()) <= budget
     lo, hi = 0, limit
     while lo < hi:  # the estimate grows with the micro-batch: bisect
@@ -175,10 +179,10 @@ def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dt
         import torch.distributed as dist
         parts[0] = f"per rank (FSDP over {dist.get_world_size()}): " + parts[0]
     if micro_batch and seq_len:
-        config = model.config
-        act, logits = activation_bytes_estimate(config, micro_batch, seq_len, dtype, device_type, fsdp=sharded)
+        act, logits = activation_bytes_estimate(model.config, micro_batch, seq_len, dtype, device_type, sharded,
+                                                model.activation_checkpointing)
         parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
-                     f"{config.loss_impl} loss, checkpointing {config.activation_checkpointing})")
+                     f"{model.config.loss_impl} loss, checkpointing {model.activation_checkpointing})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
@@ -221,33 +225,31 @@ def loss_chunk(plan, rows, vocab_size):
     return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype, plan.device)
 
 
-def on_device(config, plan, micro_batch, seq_len):
-    """config with the loss-chunk rows this device takes at micro_batch x seq_len (what its estimate counts)."""
-    return dataclasses.replace(config, ce_chunk_rows=loss_chunk(plan, micro_batch * seq_len, config.vocab_size))
-
-
 def set_loss_chunk(model, plan, micro_batch, seq_len):
     """The model's loss-chunk rows for this device and micro-batch, set before compile (the value is in the compiled
     graph's guards: the finder times each size with the value training will use, so no graph is built twice)."""
-    model.config.ce_chunk_rows = loss_chunk(plan, micro_batch * seq_len, model.config.vocab_size)
+    model.set_runtime(ce_chunk_rows=loss_chunk(plan, micro_batch * seq_len, model.config.vocab_size))
 
 
-def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer="adamw"):
+def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer="adamw",
+                   activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
     """training_bytes_estimate's total on CUDA."""
-    return sum(training_bytes_estimate(config, micro_batch, seq_len, dtype, "cuda", world_size,
-                                       optimizer=optimizer).values())
+    return sum(training_bytes_estimate(config, micro_batch, seq_len, dtype, "cuda", world_size, False, optimizer,
+                                       activation_checkpointing, ce_chunk_rows).values())
 
 
 def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=1, dtype=torch.float16,
-                    shrink_seq=True, headroom=FIT_HEADROOM, optimizer="adamw", plan=None):
+                    shrink_seq=True, headroom=FIT_HEADROOM, optimizer="adamw", plan=None,
+                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
     """For GPUs that start small (sm7x: 8-32 GB): the largest micro-batch whose training step fits in
-    memory_bytes by training_bytes_estimate (which counts the model's loss and checkpointing modes),
+    memory_bytes by training_bytes_estimate (which counts the loss and checkpointing modes),
     within 1 - headroom, among those that keep total_batch_size by accumulation. The micro-batch
     shrinks first; seq_len is halved only when not even one sequence of it fits (and shrink_seq
-    allows). plan: the device whose loss-chunk rows each candidate counts (on_device); None: config's own.
+    allows). plan: the device whose loss-chunk rows each candidate counts (loss_chunk); None: ce_chunk_rows.
     Returns (micro_batch, seq_len, reason)."""
-    sized = (lambda b, t: on_device(config, plan, b, t)) if plan else (lambda b, t: config)  # noqa: E731
-    need = lambda b, t: training_bytes(sized(b, t), b, t, dtype, world_size, optimizer)  # noqa: E731
+    chunk = (lambda b, t: loss_chunk(plan, b * t, config.vocab_size)) if plan else lambda b, t: ce_chunk_rows  # noqa: E731
+    need = lambda b, t: training_bytes(config, b, t, dtype, world_size, optimizer,  # noqa: E731
+                                       activation_checkpointing, chunk(b, t))
     budget = (1 - headroom) * memory_bytes
     T = seq_len
     while True:
@@ -262,7 +264,7 @@ def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=
         if not shrink_seq or rows == 0 or T <= 64:
             break
         T //= 2
-    fixed = training_bytes_estimate(config, 1, T, dtype, "cuda", world_size, optimizer=optimizer)
+    fixed = training_bytes_estimate(config, 1, T, dtype, "cuda", world_size, optimizer=optimizer)  # no activations
     state = fixed["parameters"] + fixed["gradients"] + fixed["optimizer state"]
     raise UserError(f"a {param_counts(config)[0] / 1e6:.0f}M-parameter model does not fit in {fmt_bytes(memory_bytes)} "
                     f"at seq_len {T} with total_batch_size {total_batch_size} (estimate: "
@@ -368,13 +370,15 @@ def probe_steps(model, optimizers, micro_batch, seq_len, device, plan, steps):
     return statistics.median(times)
 
 
-def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, slack=4):
+def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, slack=4,
+                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
     """The finder probes no micro-batch above slack x the largest that training_bytes_estimate fits in
     budget: the estimate is on the safe side (the measured peak is lower; torch.compile lowers it
     more), so the probes skip sizes that would only run out of memory. Returns (cap, note)."""
-    est = estimated_micro_batch(config, seq_len, dtype, budget, "cuda", world_size, fsdp)
+    est = estimated_micro_batch(config, seq_len, dtype, budget, "cuda", world_size, fsdp,
+                                activation_checkpointing=activation_checkpointing, ce_chunk_rows=ce_chunk_rows)
     return slack * max(est, 1), (f"the estimate for {config.loss_impl} loss, checkpointing "
-                                 f"{config.activation_checkpointing}{', FSDP' if fsdp else ''} fits {est}; "
+                                 f"{activation_checkpointing}{', FSDP' if fsdp else ''} fits {est}; "
                                  f"probed up to {slack * max(est, 1)}")
 
 
@@ -400,8 +404,10 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
     if plan.memory:  # plan=smXY: no more than that card has
         capacity = min(capacity, plan.memory)
     rows = max(1, total_batch_size // (seq_len * world_size))
-    widest = on_device(model.config, plan, rows, seq_len)  # the device's largest chunk: the estimate's cap is safe
-    cap, note = micro_batch_cap(widest, seq_len, plan.dtype, (1 - headroom) * capacity, world_size, is_sharded(model))
+    widest = loss_chunk(plan, rows * seq_len, model.config.vocab_size)  # the device's largest chunk: a safe cap
+    cap, note = micro_batch_cap(model.config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
+                                is_sharded(model), activation_checkpointing=model.activation_checkpointing,
+                                ce_chunk_rows=widest)
     max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
     def peak(step_model, b, steps):
@@ -442,27 +448,29 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
     return b, reason, timed[0] if timed else None
 
 
-def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batch_size, world_size=1, auto=False,
-                       fit=True, shrink_seq=True, optimizer="adamw", warn=print):
+def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batch_size, world_size=1, fit=True,
+                       shrink_seq=True, optimizer="adamw", warn=print, default=64):
     """THE micro-batch (and on small GPUs the sequence length) of a run, decided once the model and its
-    optimizers exist and before DDP wraps them: auto probes the GPU (auto_micro_batch); otherwise,
+    optimizers exist and before DDP wraps them: micro_batch="auto" probes the GPU (auto_micro_batch; off
+    CUDA it takes default, the config's); otherwise,
     where the user did not set the micro-batch (fit), a CUDA plan fits it to memory by the estimate: the
     sm7x plans always (plan.fit_to_memory), the others when the configured one does not fit; seq_len is
     shortened only where not even 1 x seq_len fits and shrink_seq allows. Every size is weighed with the
     device's loss-chunk rows (loss_chunk), never the model's own (a checkpoint's: another GPU's). Returns (B, T,
     why: a line for the log or "", the model the finder timed (compiled) or None)."""
-    timed = None
-    if auto:
+    timed, config, mode = None, model.config, model.activation_checkpointing
+    if micro_batch == "auto":
         try:
             micro_batch, why, timed = auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size,
-                                                       plan.device, plan, default=micro_batch, warn=warn)
+                                                       plan.device, plan, default=default, warn=warn)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
     elif fit and plan.device_type == "cuda" and (plan.fit_to_memory or training_bytes(
-            on_device(model.config, plan, micro_batch, seq_len), micro_batch, seq_len, plan.dtype, world_size,
-            optimizer) > (1 - FIT_HEADROOM) * plan.memory):
-        micro_batch, seq_len, why = fit_micro_batch(model.config, plan.memory, seq_len, total_batch_size, world_size,
-                                                    plan.dtype, shrink_seq=shrink_seq, optimizer=optimizer, plan=plan)
+            config, micro_batch, seq_len, plan.dtype, world_size, optimizer, mode,
+            loss_chunk(plan, micro_batch * seq_len, config.vocab_size)) > (1 - FIT_HEADROOM) * plan.memory):
+        micro_batch, seq_len, why = fit_micro_batch(config, plan.memory, seq_len, total_batch_size, world_size,
+                                                    plan.dtype, shrink_seq, optimizer=optimizer, plan=plan,
+                                                    activation_checkpointing=mode)
         why += " (set micro_batch_size/seq_len to choose yourself)"
     else:
         why = ""
@@ -479,8 +487,8 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
         raise UserError(f"total_batch_size={total_batch_size} is not a multiple of micro_batch_size x seq_len x "
                         f"world_size = {micro_batch} x {seq_len} x {world_size} = {tokens}: {fix}")
     if plan.device_type == "cpu":
-        micro_batch, why = fit_cpu_ram(model.config, micro_batch, seq_len, total_batch_size, world_size, plan.dtype,
-                                       fit, optimizer, warn) or (micro_batch, why)
+        micro_batch, why = fit_cpu_ram(config, micro_batch, seq_len, total_batch_size, world_size, plan.dtype,
+                                       fit, optimizer, warn, mode) or (micro_batch, why)
     return micro_batch, seq_len, why, timed
 
 
@@ -493,14 +501,16 @@ def available_ram():
         return None
 
 
-def fit_cpu_ram(config, micro_batch, seq_len, total_batch_size, world_size, dtype, fit, optimizer, warn):
+def fit_cpu_ram(config, micro_batch, seq_len, total_batch_size, world_size, dtype, fit, optimizer, warn,
+                activation_checkpointing="none"):
     """On CPU, before the first step: a micro-batch whose step needs more than the free RAM by the estimate
     (the kernel's OOM killer would end the run without a word) is lowered to the largest that fits and keeps
     total_batch_size where the user left it to its default (fit), else warned about with the one that fits.
     Returns (micro_batch, why) when it lowered it, else None."""
     ram = available_ram()
     need = lambda b: sum(training_bytes_estimate(config, b, seq_len, dtype, "cpu", world_size,  # noqa: E731
-                                                 optimizer=optimizer).values()) * world_size  # ranks share the RAM
+                                                 optimizer=optimizer, activation_checkpointing=activation_checkpointing
+                                                 ).values()) * world_size  # ranks share the RAM
     if ram is None or need(micro_batch) <= ram:
         return None
     rows = total_batch_size // (seq_len * world_size)

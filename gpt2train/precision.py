@@ -55,7 +55,7 @@ def check_torch(version=None):
     have = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
     if have < MIN_TORCH:
         raise UserError(f"torch {version} is too old: this trainer needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
-                        f"(`pip install -U torch`, see README)")
+                        f"(`pip install -U torch`, see the README's Install)")
 
 
 def dtype_name(dtype):

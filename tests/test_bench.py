@@ -185,7 +185,7 @@ def test_chunked_loss_rung_uses_the_trainers_chunk_size(monkeypatch):
     rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+chunked loss")]
     monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
     rows = bench.run_ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False)
-    assert {raw.config.ce_chunk_rows for raw, _, _ in built} == {37} and (2 * 16, 50257) in asked
+    assert {raw.ce_chunk_rows for raw, _, _ in built} == {37} and (2 * 16, 50257) in asked
     assert rows[-1]["note"].endswith("37 rows a chunk (the trainer's)") and rows[-1]["skipped"] is None
 
 
@@ -265,8 +265,8 @@ def test_checkpointing_keeps_only_block_inputs():
     kept = {}
     for mode in ("none", "blocks", "every_other"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C,
-                              activation_checkpointing=mode))
+        model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C),
+                    activation_checkpointing=mode)
         x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
         kept[mode] = bench.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
         assert kept[mode] == live_after_forward(model, x, y)

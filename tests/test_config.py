@@ -47,22 +47,27 @@ def test_config_file_then_override(tmp_path):
 # decided once, at parsing: the Config is frozen and each field holds one type
 
 
-def test_micro_batch_size_auto_is_its_own_boolean(tmp_path):
-    """"auto" never lands in micro_batch_size (an int): it sets auto_micro_batch, and the last word wins."""
+def test_micro_batch_size_is_an_integer_or_auto_decided_at_parsing(tmp_path):
+    """micro_batch_size holds an int or the word "auto" (the run then probes for it: memory.choose_micro_batch),
+    from a flag or a config file, and the last word wins; anything else is one line."""
     cfg, given = parse_args(["--micro_batch_size=auto"])
-    assert cfg.auto_micro_batch is True and cfg.micro_batch_size == 64  # the default, what CPU falls back to
-    assert given == {"micro_batch_size": "cli", "auto_micro_batch": "cli"}
-    cfg, _ = parse_args(["--micro_batch_size=auto", "--micro_batch_size=16"])
-    assert (cfg.auto_micro_batch, cfg.micro_batch_size) == (False, 16)
+    assert cfg.micro_batch_size == "auto" and given == {"micro_batch_size": "cli"}
+    assert parse_args(["--micro_batch_size=auto", "--micro_batch_size=16"])[0].micro_batch_size == 16
     path = tmp_path / "c.py"
     path.write_text("micro_batch_size = 'auto'\n")
     cfg, given = parse_args([str(path)])
-    assert cfg.auto_micro_batch is True and given["auto_micro_batch"] == str(path)
-    cfg, _ = parse_args([str(path), "--micro_batch_size=8"])
-    assert (cfg.auto_micro_batch, cfg.micro_batch_size) == (False, 8)
-    assert parse_args([])[0].auto_micro_batch is False
+    assert cfg.micro_batch_size == "auto" and given["micro_batch_size"] == str(path)
+    assert parse_args([str(path), "--micro_batch_size=8"])[0].micro_batch_size == 8
+    assert parse_args([])[0].micro_batch_size == 64
     with pytest.raises(UserError, match='--micro_batch_size=big is not an integer or "auto"'):
         parse_args(["--micro_batch_size=big"])
+    path.write_text("micro_batch_size = 'big'\n")
+    with pytest.raises(UserError, match='micro_batch_size must be an integer or "auto", got \'big\''):
+        parse_args([str(path)])
+    with pytest.raises(UserError, match="micro_batch_size must be at least 1, got 0"):
+        parse_args(["--micro_batch_size=0"])
+    with pytest.raises(UserError, match='--seq_len=auto is not an integer \\(default'):  # auto: micro_batch_size only
+        parse_args(["--seq_len=auto"])
 
 
 @pytest.mark.parametrize("text,resume", [("True", "true"), ("yes", "true"), ("1", "true"), ("no", "false"),
@@ -98,7 +103,7 @@ def test_asked_and_resolved_side_by_side():
     assert out["decided"] == ["device", "micro_batch_size", "precision"]
     assert json.loads(json.dumps(out)) == out  # what config.json holds
     cfg, given = parse_args(["--micro_batch_size=auto"])  # asked as auto, resolved to what the probe found
-    out = asked_and_resolved(cfg, given, dataclasses.replace(cfg, micro_batch_size=16, auto_micro_batch=False))
+    out = asked_and_resolved(cfg, given, dataclasses.replace(cfg, micro_batch_size=16))
     assert out["asked"] == {"micro_batch_size": "auto"} and out["resolved"]["micro_batch_size"] == 16
     assert out["decided"] == ["micro_batch_size"]
 

@@ -14,6 +14,7 @@ from gpt2train import memory
 from gpt2train import precision
 from conftest import adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
+from gpt2train.loss import CE_CHUNK_ROWS
 from gpt2train.memory import fit_micro_batch, param_counts, training_bytes_estimate
 from model import GPT, GPTConfig, PRETRAINED
 from gpt2train.precision import default_plan
@@ -32,11 +33,12 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled 
 def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
     torch.manual_seed(0)
     config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
-                       loss_impl=loss_impl, activation_checkpointing=ckpt)
-    model = GPT(config)
+                       loss_impl=loss_impl)
+    model = GPT(config, activation_checkpointing=ckpt)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
-    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu")
+    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu",
+                                                               activation_checkpointing=ckpt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,11 +48,10 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
     """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
     peak of forward + backward and not wildly above it."""
     torch.manual_seed(0)
-    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl,
-                       activation_checkpointing=ckpt)
+    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl)
     x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
-    measured = bench.step_peak_bytes(GPT(config), x, y, cpu_plan(dtype))
-    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu")
+    measured = bench.step_peak_bytes(GPT(config, activation_checkpointing=ckpt), x, y, cpu_plan(dtype))
+    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu", activation_checkpointing=ckpt)
     n = sum(p.numel() for p in GPT(config).parameters())
     assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
     step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
@@ -71,13 +72,14 @@ def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
 
 
 def test_estimated_micro_batch_is_the_largest_that_fits():
-    config = GPTConfig(vocab_size=50304, activation_checkpointing="every_other", **bench.SIZES["gpt2-medium"])
-    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16).values())  # noqa: E731
+    config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-medium"])
+    ckpt = dict(activation_checkpointing="every_other")
+    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16, **ckpt).values())  # noqa: E731
     budget = 0.9 * 40 * 2**30
-    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget)
+    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget, **ckpt)
     assert b > 1 and total(b) <= budget < total(b + 1)
-    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1) == 0
-    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget)
+    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1, **ckpt) == 0
+    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget, **ckpt)
     assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
 
 
@@ -272,7 +274,7 @@ def gpu_plan(cap, memory_gib):
 
 
 def test_choose_micro_batch_fits_sm7x_always_and_others_when_the_asked_one_does_not_fit():
-    gpt2 = SimpleNamespace(config=GPT2)  # what choose_micro_batch reads of the model without probing
+    gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model, not probing
     b, t, why, timed = memory.choose_micro_batch(gpt2, [], gpu_plan((7, 5), 15), 64, 1024, 524288)
     assert (b, t, timed) == (16, 1024, None) and "fitted to 15.0 GiB: 16 x 1024" in why and "grad_accum 32" in why
     assert why.endswith("(set micro_batch_size/seq_len to choose yourself)")
@@ -288,7 +290,7 @@ def test_choose_micro_batch_fits_sm7x_always_and_others_when_the_asked_one_does_
 
 
 def test_choose_micro_batch_shortens_seq_len_only_when_allowed():
-    medium = SimpleNamespace(config=GPT2_MEDIUM)
+    medium = SimpleNamespace(config=GPT2_MEDIUM, activation_checkpointing="none")
     b, t, why, _ = memory.choose_micro_batch(medium, [], gpu_plan((7, 5), 7.8), 64, 1024, 524288)
     assert (b, t) == (1, 256) and "seq_len 1024 -> 256" in why
     with pytest.raises(UserError, match="355M-parameter model does not fit in 7.8 GiB at seq_len 1024"):
@@ -300,7 +302,7 @@ def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
     opt = adamw(model)
     cpu = default_plan("cpu")
     assert memory.choose_micro_batch(model, [opt], cpu, 4, 32, 4096, world_size=2) == (4, 32, "", None)
-    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, 16, 32, 4096, world_size=2, auto=True)
+    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, "auto", 32, 4096, world_size=2, default=16)
     assert (b, t, timed) == (16, 32, None) and "micro_batch_size=auto needs CUDA; on cpu" in why
     with pytest.raises(UserError, match=r"x 1 = 1536: --micro_batch_size=32 keeps 4,096 tokens per step \(or "
                                         r"--total_batch_size=4608 makes it 4,608\)$"):  # 4096 / 1536 = 2.7
@@ -309,7 +311,7 @@ def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
     with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):  # no micro-batch divides
         memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4100)
     with pytest.raises(UserError, match="^micro_batch_size=auto: total_batch_size 4096 is not divisible"):
-        memory.choose_micro_batch(model, [opt], cpu, 12, 32, 4096, auto=True)
+        memory.choose_micro_batch(model, [opt], cpu, "auto", 32, 4096, default=12)
 
 
 @pytest.mark.parametrize("error,device_type,batch,expect", [
@@ -335,12 +337,18 @@ def h200_chunk(micro_batch=64):
     return memory.loss_chunk(gpu_plan((9, 0), 139.8), micro_batch * 1024, 50304)
 
 
+def gpt2_on_meta(**runtime):
+    """GPT-2 124M (padded vocab) with no storage: what the micro-batch decision reads of a model."""
+    with torch.device("meta"):
+        return GPT(GPT2, **runtime)
+
+
 def test_loss_chunk_comes_from_the_device_not_the_model():
     assert h200_chunk() == 21888 and memory.loss_chunk(gpu_plan((7, 5), 15), 65536, 50304) == 1024  # fp16: capped
-    assert memory.loss_chunk(default_plan("cpu"), 65536, 50304) == GPTConfig.ce_chunk_rows == 1024
-    model = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()))
+    assert memory.loss_chunk(default_plan("cpu"), 65536, 50304) == CE_CHUNK_ROWS == GPT(GPTConfig()).ce_chunk_rows
+    model = gpt2_on_meta(ce_chunk_rows=h200_chunk())
     memory.set_loss_chunk(model, default_plan("cpu"), 64, 1024)  # a resumed run on the CPU: 1024, not the H200's
-    assert model.config.ce_chunk_rows == 1024
+    assert model.ce_chunk_rows == 1024 and GPT2 == GPTConfig(vocab_size=50304, **PRETRAINED["gpt2"])  # config as was
 
 
 def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(monkeypatch):
@@ -366,11 +374,12 @@ def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
     micro-batch."""
     cap, _, card = precision.EMULATED_PLANS.get(plan, ((8, 6), None, 22 * GB))
     gpu = gpu_plan(cap, card / GB)
-    resumed = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()))
-    fresh = memory.choose_micro_batch(SimpleNamespace(config=GPT2), [], gpu, 64, 1024, 524288)
+    resumed = gpt2_on_meta(ce_chunk_rows=h200_chunk())
+    fresh = memory.choose_micro_batch(gpt2_on_meta(), [], gpu, 64, 1024, 524288)
     assert memory.choose_micro_batch(resumed, [], gpu, 64, 1024, 524288) == fresh
     if plan == "22 GiB":
-        assert fresh[0] == 32 and fit_micro_batch(resumed.config, 22 * GB, 1024, 524288, dtype=torch.bfloat16)[0] == 16
+        assert fresh[0] == 32 and fit_micro_batch(GPT2, 22 * GB, 1024, 524288, dtype=torch.bfloat16,
+                                                  ce_chunk_rows=resumed.ce_chunk_rows)[0] == 16
 
 
 def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
@@ -378,11 +387,11 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     sets (set_loss_chunk) before compile, so the finder's compiled graph for the chosen size is the trainer's
     (the value is in its guards): no compile after the finder."""
     plan = dataclasses.replace(gpu_plan((9, 0), 80), compile=False)
-    model = SimpleNamespace(config=dataclasses.replace(GPT2, ce_chunk_rows=h200_chunk()), parameters=lambda: iter(()))
+    model = gpt2_on_meta(ce_chunk_rows=h200_chunk())
     probed, now = [], {}
 
     def fake_probe(step_model, optimizers, b, seq_len, device, plan, steps):
-        probed.append((b, step_model.config.ce_chunk_rows))
+        probed.append((b, step_model.ce_chunk_rows))
         now["b"] = b
         return 0.01 * b ** 0.9  # a larger batch: more tokens a second
 
@@ -396,4 +405,4 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     assert probed and all(chunk == memory.loss_chunk(plan, size * 1024, 50304) for size, chunk in probed), probed
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
     memory.set_loss_chunk(model, plan, b, 1024)  # what the trainer sets after the finder
-    assert model.config.ce_chunk_rows == dict(probed)[b]
+    assert model.ce_chunk_rows == dict(probed)[b]

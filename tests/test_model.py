@@ -3,6 +3,7 @@ activation checkpointing and torch.compile, the export command's help.
 
     python -m pytest -q tests/test_model.py
 """
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import GPT2LMHeadModel
 
 from conftest import adamw, make_hf_gpt2
 from gpt2train.fileio import UserError
+from gpt2train.loss import CE_CHUNK_ROWS
 import model as model_py
 from model import GPT, GPTConfig, flops_per_token
 
@@ -200,6 +202,24 @@ def test_from_checkpoint(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
 
 
+def test_run_time_settings_stay_out_of_the_config_and_older_checkpoints_load(tmp_path):
+    """activation_checkpointing and ce_chunk_rows are how a run executes the model, set apart from its GPTConfig
+    (what a checkpoint saves); a checkpoint from before, whose model_args carry them, loads with them left out."""
+    config = GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config, activation_checkpointing="blocks", ce_chunk_rows=7)
+    assert (model.activation_checkpointing, model.ce_chunk_rows) == ("blocks", 7) and model.config == config
+    assert model.set_runtime(ce_chunk_rows=9) is model and (model.activation_checkpointing, model.ce_chunk_rows) == \
+        ("blocks", 9)  # None keeps a setting as it is
+    for bad in (dict(activation_checkpointing="all"), dict(ce_chunk_rows=0), dict(ce_chunk_rows=2.0)):
+        with pytest.raises(ValueError):
+            model.set_runtime(**bad)
+    old = dict(dataclasses.asdict(config), activation_checkpointing="every_other", ce_chunk_rows=21888)
+    torch.save({"model": model.state_dict(), "model_args": old, "step": 3}, tmp_path / "old.pt")
+    back = GPT.from_checkpoint(str(tmp_path / "old.pt"))
+    assert back.config == config and (back.activation_checkpointing, back.ce_chunk_rows) == ("none", CE_CHUNK_ROWS)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+
+
 # -----------------------------------------------------------------------------
 # activation checkpointing and torch.compile: same numbers as the plain model (the chunked loss: tests/test_loss.py)
 
@@ -208,7 +228,7 @@ def test_from_checkpoint(tmp_path):
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=16)
-    plain, ckpt = GPT(config), GPT(GPTConfig(**{**config.__dict__, "activation_checkpointing": mode}))
+    plain, ckpt = GPT(config), GPT(config, activation_checkpointing=mode)
     ckpt.load_state_dict(plain.state_dict())
     assert [ckpt.checkpointed(i) for i in range(3)] == ([True] * 3 if mode == "blocks" else [True, False, True])
     idx, targets = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
@@ -229,7 +249,7 @@ def test_compiled_model_is_one_graph_per_shape_and_equals_eager():
     the chunk count (3 chunks of 7 rows, or 2), and a second shape is one more graph, never more."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16, ce_chunk_rows=7))
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=16), ce_chunk_rows=7)
     graphs = []
 
     def counting_backend(gm, example_inputs):

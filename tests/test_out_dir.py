@@ -240,6 +240,22 @@ def test_a_bigger_seq_len_run_leaves_the_val_split_as_the_text_made_it(tmp_path)
     assert files(cache) == made  # not re-split, not rewritten
     assert json.load(open(tmp_path / "out" / "b" / "config.json"))["resolved"]["data_dir"] == str(cache)
 
+
+def test_the_data_is_checked_for_the_micro_batch_the_run_chose(tmp_path, capsys):
+    """micro_batch_size left at its default (64) becomes 4, the largest that divides total_batch_size=64 tokens of
+    seq_len 16: a small text whose val split holds ~19 rows trains, checked for 4 rows, not refused for 64."""
+    text = book(tmp_path / "notes.txt")
+    out = tmp_path / "out" / "small"
+    assert train_gpt2.main(["--vocab_size=50304", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+                            "--seq_len=16", "--total_batch_size=64", "--max_steps=1", "--eval_interval=1",
+                            "--val_steps=1", "--hellaswag_interval=0", "--sample_interval=0", f"--data={text}",
+                            f"--out_dir={out}"]) == 0
+    assert "micro_batch_size=4: the largest up to 64" in capsys.readouterr().out
+    resolved = json.load(open(out / "config.json"))["resolved"]
+    manifest = json.load(open(os.path.join(resolved["data_dir"], "manifest.json")))
+    val_tokens = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "val")
+    assert resolved["micro_batch_size"] == 4 and 4 * 17 <= val_tokens < 64 * 17  # rows of 16 + 1 tokens
+
 # -----------------------------------------------------------------------------
 # out of memory: one line, exit 1
 

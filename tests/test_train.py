@@ -248,7 +248,8 @@ def test_auto_micro_batch_falls_back_on_cpu_and_memory_line(data_dir, tmp_path, 
     printed = capsys.readouterr().out
     assert "micro_batch_size=auto needs CUDA; on cpu using the default micro_batch 64" in printed
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["resolved"]["micro_batch_size"] == 64
+        saved = json.load(f)
+    assert saved["asked"]["micro_batch_size"] == "auto" and saved["resolved"]["micro_batch_size"] == 64
     line = next(line for line in printed.splitlines() if line.startswith("memory: "))
     n = sum(p.numel() for p in tiny_model().parameters())  # the run's model: 1 layer, 32 wide, 64-token vocab
     assert f"params {n * 4 / 2**10:.1f} KiB" in line and f"grads {n * 4 / 2**10:.1f} KiB" in line
