@@ -356,15 +356,16 @@ def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(mo
     fp32-out matmul (loss.fp32_out_matmul, probed; no CUDA here: no), then its memory share's 2368 rows, and the
     estimate's head temporary drops the fp16 (V, C) product; the T4 still fits 16 x 1024."""
     t4, V, C = gpu_plan((7, 5), 15), 50304, 768
-    head = lambda rows: training_bytes_estimate(dataclasses.replace(GPT2, ce_chunk_rows=rows), 16, 1024,  # noqa: E731
-                                                FP16)["largest temporary"]
+    head = lambda rows: training_bytes_estimate(GPT2, 16, 1024, FP16, ce_chunk_rows=rows)[  # noqa: E731
+        "largest temporary"]
     capped = head(1024)
     assert memory.loss_chunk(t4, 16384, V) == 1024
     monkeypatch.setattr(loss, "fp32_out_matmul", lambda device, dtype: True)  # the probe passing on this GPU
     assert memory.loss_chunk(t4, 16384, V) == 2368
     assert capped - head(1024) == 2 * V * C  # no fp16 product
     assert head(2368) - head(1024) == (2368 - 1024) * V * 6  # the larger chunk: fp32 + fp16 logits
-    assert memory.choose_micro_batch(SimpleNamespace(config=GPT2), [], t4, 64, 1024, 524288)[:2] == (16, 1024)
+    gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model
+    assert memory.choose_micro_batch(gpt2, [], t4, 64, 1024, 524288)[:2] == (16, 1024)
 
 
 @pytest.mark.parametrize("plan", [*precision.EMULATED_PLANS, "22 GiB"])
