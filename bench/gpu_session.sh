@@ -69,18 +69,20 @@ HELLASWAG_ROWS=10042  # the full val set, by the measured rate
 T4_BUDGET_GIB=15
 
 # record NAME JSON: merge {NAME: JSON} into $OUT/summary.json (temp file, then rename: a cut-off never leaves half)
-RECORD='import json, os, sys
-path, name, value = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-try:
-    with open(path) as f:
-        data = json.load(f)
-except (OSError, ValueError):
-    data = {}
-data[name] = {**data.get(name, {}), **value}
-with open(path + ".tmp", "w") as f:
-    json.dump(data, f, indent=1)
-os.replace(path + ".tmp", path)'
-record() { python3 -c "$RECORD" "$OUT/summary.json" "$1" "$2"; }
+# (RECORD defines record(path, name, value); summarize's Python runs it too, from the environment)
+export RECORD='import json, os
+def record(path, name, value):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[name] = {**data.get(name, {}), **value}
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)'
+record() { python3 -c "$RECORD
+import sys; record(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))" "$OUT/summary.json" "$1" "$2"; }
 
 # [EXPECT=CODE] part NAME LIMIT CMD...: CMD's output to the console and $OUT/NAME.log, cut off after LIMIT
 # seconds; its exit code (a nonzero EXPECT said "expected here") and time to $OUT/summary.txt and summary.json
@@ -222,15 +224,8 @@ else:  # ladder: the JSON bench.py writes after every rung (what finished, howev
         f"  {r['name']}: {r['tokens_per_s']:,.0f} tok/s, {r['ms_per_step']:.1f} ms/step"
         + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "") for r in done])
 print(line)
-try:
-    with open(out) as f:
-        data = json.load(f)
-except (OSError, ValueError):
-    data = {}
-data[name] = {**data.get(name, {}), **rec}
-with open(out + ".tmp", "w") as f:
-    json.dump(data, f, indent=1)
-os.replace(out + ".tmp", out)
+exec(os.environ["RECORD"])  # record(), as the shell's record uses it
+record(out, name, rec)
 EOF
 }
 
