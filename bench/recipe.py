@@ -2,18 +2,25 @@
 two byte-level models trained to >= 10 tokens per non-embedding parameter.
 
     python bench/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
-    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo (or --phase all)
+    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget (or --phase all)
     python bench/recipe.py --report                  # bench/recipe.md: tables, token ratios, the plot
+    # 2 cores: one process a size, each with its own JSON, then one JSON of all:
+    python bench/recipe.py --sizes large --phase all --results /tmp/large.json &
+    python bench/recipe.py --sizes small --phase all --results /tmp/small.json; wait
+    python bench/recipe.py --merge /tmp/small.json /tmp/large.json --report
     python bench/recipe.py --smoke                   # every phase at a tiny size, 3 steps, into a temp JSON
 
 Each run is the trainer's own step (optim.build_optimizers with the run's keys, optim.accumulate_gradients,
 optim.optimizer_step at optim.lr_multiplier(step, cfg) with Muon's optim.muon_momentum(step, cfg)) on the
 quickstart's text as bytes (vocab 256: Python's help topics and stdlib sources; every 100th 64 KiB block is
-val). Every run is appended to the JSON as it ends; a run already there is skipped, so a stopped phase
-continues where it was. A best lr at the edge of its sweep extends the sweep (x2 or /2) until bracketed."""
+val). The budget phase gives a run only a share of the tokens (its whole schedule fitted into them) and walks a
+ladder of shares until the one that reaches the tuned AdamW's final val loss is bracketed. Every run is appended
+to the JSON as it ends; a run already there is skipped, so a stopped phase continues where it was. A best lr at
+the edge of its sweep extends the sweep (x2 or /2) until bracketed."""
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -48,6 +55,7 @@ LEVERS = {  # each on top of today's Muon, alone (ablate), the adopted ones toge
     "scalar_lr_3x": dict(scalar_lr_mult=3.0),
 }
 SEEDS = (0, 1)
+LADDER = (0.125, 0.177, 0.25, 0.354, 0.5, 0.707, 1.0)  # budgets, a share of a size's tokens, sqrt(2) apart
 SMOKE = dict(sizes={"small": dict(n_layer=1, n_head=1, n_embd=16), "large": dict(n_layer=2, n_head=1, n_embd=16)},
              B=2, T=32, steps=3, files=20, val_rows=2, max_extend=1)
 STATE = dict(sizes=SIZES, B=B, T=T, steps=None, files=None, val_rows=64, max_extend=6, results=RESULTS)  # --smoke: its
@@ -121,10 +129,11 @@ def val_loss(model, plan):
     return total / n
 
 
-def run(name, optimizer, lr, muon_lr, keys, seed):
-    """One training run: its curve of (tokens, val loss) and its numbers, as a JSON-able dict."""
+def run(name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
+    """One training run: its curve of (tokens, val loss) and its numbers, as a JSON-able dict. budget: the share
+    of the size's tokens this run is given, its whole schedule (warmup, decay) fitted into them."""
     size = STATE["sizes"][name]
-    steps = run_steps(size)
+    steps = max(1, round(budget * run_steps(size)))
     model = make_model(size, seed)
     if keys.get("zero_init_proj"):
         model.zero_init_projections()
@@ -146,9 +155,9 @@ def run(name, optimizer, lr, muon_lr, keys, seed):
     seconds = time.perf_counter() - t0
     print(f"  {name} {optimizer} lr {lr:g} muon_lr {muon_lr} {sorted(keys)} seed {seed}: val {curve[-1][1]:.4f} "
           f"({seconds:.0f} s)", flush=True)
-    return dict(size=name, optimizer=optimizer, lr=lr, muon_lr=muon_lr, keys=keys, seed=seed, steps=steps,
-                tokens=steps * tok, params=non_embedding_params(model), curve=curve, final_val=curve[-1][1],
-                seconds=seconds, model=size)
+    return dict(size=name, optimizer=optimizer, lr=lr, muon_lr=muon_lr, keys=keys, seed=seed, budget=budget,
+                steps=steps, tokens=steps * tok, params=non_embedding_params(model), curve=curve,
+                final_val=curve[-1][1], seconds=seconds, model=size)
 
 # -----------------------------------------------------------------------------
 # the JSON: runs appended as they end, looked up by what they ran
@@ -169,26 +178,43 @@ def save(results):
     os.replace(STATE["results"] + ".tmp", STATE["results"])
 
 
-def find(results, name, optimizer, lr, muon_lr, keys, seed):
-    want = (name, optimizer, lr, muon_lr, json.dumps(keys, sort_keys=True), seed)
-    return next((r for r in results["runs"] if (r["size"], r["optimizer"], r["lr"], r["muon_lr"],
-                                                 json.dumps(r["keys"], sort_keys=True), r["seed"]) == want), None)
+def identity(r):
+    """What a run ran: two runs with the same identity are the same run (runs are deterministic)."""
+    return (r["size"], r["optimizer"], r["lr"], r["muon_lr"], json.dumps(r["keys"], sort_keys=True), r["seed"],
+            r.get("budget", 1.0))
 
 
-def get(results, name, optimizer, lr, muon_lr=None, keys=None, seed=0):
+def find(results, name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
+    want = (name, optimizer, lr, muon_lr, json.dumps(keys, sort_keys=True), seed, budget)
+    return next((r for r in results["runs"] if identity(r) == want), None)
+
+
+def get(results, name, optimizer, lr, muon_lr=None, keys=None, seed=0, budget=1.0):
     """The run from the JSON, or run it now and append it."""
     keys = keys or {}
-    r = find(results, name, optimizer, lr, muon_lr, keys, seed)
+    r = find(results, name, optimizer, lr, muon_lr, keys, seed, budget)
     if r is None:
-        r = run(name, optimizer, lr, muon_lr, keys, seed)
+        r = run(name, optimizer, lr, muon_lr, keys, seed, budget)
         results["runs"].append(r)
         save(results)
     return r
 
 
+def merge(results, paths):
+    """--merge: the runs of other JSONs (one process a size on a 2-core CPU) not already in results."""
+    have = {identity(r) for r in results["runs"]}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["runs"]:
+                if identity(r) not in have:
+                    results["runs"].append(r)
+                    have.add(identity(r))
+    save(results)
+
+
 def best(results, name, optimizer, keys=None, seed=0):
     rs = [r for r in results["runs"] if r["size"] == name and r["optimizer"] == optimizer
-          and r["keys"] == (keys or {}) and r["seed"] == seed]
+          and r["keys"] == (keys or {}) and r["seed"] == seed and r.get("budget", 1.0) == 1.0]
     return min(rs, key=lambda r: r["final_val"]) if rs else None
 
 # -----------------------------------------------------------------------------
@@ -286,7 +312,59 @@ def combo(results, adopt=None):
     save(results)
 
 
-PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo}
+def target(results, name):
+    """The tuned AdamW's final val loss at this size, the mean of its seeds: what 'reaching AdamW' means."""
+    a = best(results, name, "adamw")
+    finals = [r["final_val"] for r in (find(results, name, "adamw", a["lr"], None, {}, s) for s in SEEDS) if r]
+    return statistics.mean(finals)
+
+
+def budget_walk(results, name, lr, muon_lr, keys, seed, lookup):
+    """(the largest budget on LADDER that misses the target, the smallest that reaches it) as (budget, final val)
+    pairs, walking the ladder from 0.354 (down while it reaches, up while it misses); a side is None where the
+    ladder ends (or, with lookup=find, where a run is not in the JSON)."""
+    goal, i = target(results, name), LADDER.index(0.354)
+    r = lookup(results, name, "muon", lr, muon_lr, keys, seed, LADDER[i])
+    if r is None:
+        return None, None
+    step = -1 if r["final_val"] <= goal else 1
+    prev = (LADDER[i], r["final_val"])
+    while 0 <= i + step < len(LADDER):
+        i += step
+        r = lookup(results, name, "muon", lr, muon_lr, keys, seed, LADDER[i])
+        if r is None:
+            break
+        here = (LADDER[i], r["final_val"])
+        if (r["final_val"] <= goal) == (step == 1):  # crossed the target: bracketed
+            return (prev, here) if step == 1 else (here, prev)
+        prev = here
+    return (prev, None) if step == 1 else (None, prev)
+
+
+def budget_ratio(results, name, lr, muon_lr, keys, seed):
+    """The budget (a share of AdamW's tokens) at which a run given only that many tokens ends at the target,
+    interpolated in log budget between the bracketing runs; None where not bracketed."""
+    miss, reach = budget_walk(results, name, lr, muon_lr, keys, seed, find)
+    if miss is None or reach is None:
+        return None
+    goal, (b0, v0), (b1, v1) = target(results, name), miss, reach
+    return math.exp(math.log(b0) + (math.log(b1) - math.log(b0)) * (v0 - goal) / (v0 - v1))
+
+
+def budgets(results):
+    """Today's Muon (seed 0) and the combination (both seeds) at every size, each run with its whole schedule in a
+    share of the tokens, until the share that reaches the tuned AdamW's final val loss is bracketed."""
+    keys = results.get("adopted", {}).get("keys")
+    if keys is None:
+        sys.exit(f"error: no adopted combination in {STATE['results']}: run --phase combo first")
+    for name in STATE["sizes"]:
+        lr, muon_lr = muon_base(results, name)
+        for k, seeds in (({}, SEEDS[:1]), (keys, SEEDS)):
+            for seed in seeds:
+                budget_walk(results, name, lr, muon_lr, k, seed, get)
+
+
+PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo, "budget": budgets}
 
 # -----------------------------------------------------------------------------
 # calibration and the report
@@ -326,7 +404,7 @@ def fmt(x, spec=".4f"):
 
 
 def times(x):
-    return "not reached" if x is None else f"{x:.2f}x"
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def sweep_lines(results):
@@ -357,24 +435,47 @@ def ablation_lines(results):
 
 
 def ratio_lines(results):
+    """Two readings of 'tokens to reach the tuned AdamW': where the full run's val curve first crosses the target
+    (mid-run the lr is still high, so this overstates a decaying schedule's need, WSD's most), and the share of the
+    tokens a run needs when its whole schedule is fitted into that share (--phase budget; the issue's measure)."""
     keys = results.get("adopted", {}).get("keys", {})
     lines = ["| size | model | non-emb params | tokens (per param) | AdamW lr, final val (seeds) | "
-             "today's Muon: tokens ratio | combination: tokens ratio (seeds) |", "|---|---|---|---|---|---|---|"]
+             "today's Muon: curve / budget | combination, seeds 0 / 1: curve | combination, seeds 0 / 1: budget |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in STATE["sizes"]:
-        a = best(results, name, "adamw")
-        if a is None:
+        a, m = best(results, name, "adamw"), best(results, name, "muon")
+        if a is None or m is None:
             continue
         adamw = [find(results, name, "adamw", a["lr"], None, {}, s) for s in SEEDS]
-        target = statistics.mean(r["final_val"] for r in adamw if r)
-        m = best(results, name, "muon")
-        combos = [find(results, name, "muon", m["lr"], m["muon_lr"], keys, s) for s in SEEDS] if m else []
-        today = ratio(m["curve"], target, a["tokens"]) if m else None
-        cells = " / ".join(times(ratio(c["curve"], target, a["tokens"])) for c in combos if c)
+        goal = target(results, name)
+        combos = [find(results, name, "muon", m["lr"], m["muon_lr"], keys, s) for s in SEEDS]
+        curve = " / ".join(times(c and ratio(c["curve"], goal, a["tokens"])) if c else "n/a" for c in combos)
+        budget = " / ".join(times(budget_ratio(results, name, m["lr"], m["muon_lr"], keys, s)) for s in SEEDS)
+        today = (f"{times(ratio(m['curve'], goal, a['tokens']))} / "
+                 f"{times(budget_ratio(results, name, m['lr'], m['muon_lr'], {}, 0))}")
         size = a["model"]
         lines.append(f"| {name} | {size['n_layer']} x {size['n_embd']} | {a['params']:,} | {a['tokens']:,} "
                      f"({a['tokens'] / a['params']:.1f}) | {a['lr']:g}, "
-                     f"{' / '.join(fmt(r and r['final_val']) for r in adamw)} | {times(today)} | "
-                     f"{cells or 'n/a'} |")
+                     f"{' / '.join(fmt(r and r['final_val']) for r in adamw)} | {today} | {curve} | {budget} |")
+    return lines
+
+
+def budget_lines(results):
+    """Every budget run: its share of the tokens and its final val loss, against the target."""
+    lines = ["| size | run | seed | budget -> final val (target: the tuned AdamW's mean) |", "|---|---|---|---|"]
+    keys = results.get("adopted", {}).get("keys", {})
+    for name in STATE["sizes"]:
+        m = best(results, name, "muon")
+        if m is None or best(results, name, "adamw") is None:
+            continue
+        for label, k in (("today's Muon", {}), ("combination", keys)):
+            for seed in SEEDS:
+                rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
+                             and (r["lr"], r["muon_lr"], r["keys"], r["seed"]) == (m["lr"], m["muon_lr"], k, seed)),
+                            key=lambda r: r.get("budget", 1.0))
+                if len(rs) > 1:
+                    cells = ", ".join(f"{r.get('budget', 1.0):g}: {r['final_val']:.4f}" for r in rs)
+                    lines.append(f"| {name} | {label} | {seed} | {cells} (target {target(results, name):.4f}) |")
     return lines
 
 
@@ -413,7 +514,11 @@ def report(results, md_path):
             "", "## Sweeps (seed 0)", "", *sweep_lines(results), "", "## Ablation", "", *ablation_lines(results), "",
             f"Adopted: {', '.join(adopted) if adopted else 'none yet'}.", "",
             "## Tokens to reach tuned AdamW's final val loss (mean of its seeds), as a share of AdamW's tokens", "",
-            *ratio_lines(results), ""]
+            "*curve*: where the full-length run's val curve first crosses the target (mid-run its lr is still high, "
+            "so this overstates what a decaying schedule needs, WSD's most). *budget*: the share of the tokens at "
+            "which a run whose whole schedule (warmup, decay) is fitted into that share ends at the target, "
+            "interpolated in log tokens between the two runs on the ladder that bracket it.", "",
+            *ratio_lines(results), "", "### The budget runs", "", *budget_lines(results), ""]
     with open(md_path + ".tmp", "w") as f:
         f.write("\n".join(text))
     os.replace(md_path + ".tmp", md_path)
@@ -422,7 +527,8 @@ def report(results, md_path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the four in order)")
+    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the five in order)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="add these JSONs' runs (other processes') to --results")
     p.add_argument("--report", action="store_true", help="write the tables and the plot from the JSON")
     p.add_argument("--calibrate", action="store_true", help="time each candidate size; project a run's minutes")
     p.add_argument("--adopt", help="combo: these levers (comma-separated names of LEVERS), not the ablation's verdict")
@@ -445,6 +551,8 @@ def main(argv=None):
     if args.calibrate:
         return print(json.dumps(calibrate(), indent=1))
     results = load()
+    if args.merge:
+        merge(results, args.merge)
     adopt = args.adopt.split(",") if args.adopt else None
     for phase in (list(PHASES) if args.phase == "all" else [args.phase] if args.phase else []):
         print(f"phase {phase}", flush=True)
