@@ -533,10 +533,12 @@ def print_samples(run, step, last, say):
 
 
 def checkpoint_due(run, step, last, progress):
-    """Whether a checkpoint is written before this step: at the end, every checkpoint_interval steps, or by the
-    clock (checkpoint_minutes); never at step 0 or at the step the resumed checkpoint holds."""
-    every = run.cfg.checkpoint_interval
-    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or every > 0 and step % every == 0)
+    """Whether a checkpoint is written before this step: at the end, every checkpoint_interval steps, by the
+    clock (checkpoint_minutes), or at wsd's cooldown start (kept: the run continues from it with a larger
+    max_steps exactly as if planned); never at step 0 or at the step the resumed checkpoint holds."""
+    every, branch = run.cfg.checkpoint_interval, step == optim.cooldown_start(run.cfg)
+    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch
+                                                       or every > 0 and step % every == 0)
 
 
 @torch.no_grad()
@@ -571,6 +573,10 @@ def sample(run):
     return [enc.decode(row.tolist()) for row in out]
 
 
+BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a new out_dir and resume there with a "
+               "larger --max_steps)")
+
+
 def save(run, step, progress, guard, say, evals_done=True):
     """Every rank checks that the state is finite (so that all stop alike); rank 0 writes the checkpoint,
     then deletes those keep_last no longer keeps. Returns its path."""
@@ -584,8 +590,9 @@ def save(run, step, progress, guard, say, evals_done=True):
                                run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
                                guard=guard.state_dict())
     if run.env.master:
-        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last)
-        say(f"step {step:6d} | saved {path}")
+        branch = optim.cooldown_start(run.cfg)
+        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch,))
+        say(f"step {step:6d} | saved {path}" + (BRANCH_NOTE if step == branch and step < run.cfg.max_steps else ""))
     progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
     note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
     if note and not progress.warned_grace:  # once a run

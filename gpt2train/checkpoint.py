@@ -34,6 +34,8 @@ from gpt2train.sharding import full_state, load_optimizer_state
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule", "cooldown_frac", "embed_lr_mult",
             "scalar_lr_mult", "muon_momentum_warmup", "muon_split_qkv", "zero_init_proj")
+# a RUN_KEY whose default changed: what a checkpoint written before the key existed ran with
+BEFORE_THE_KEY = {"muon_split_qkv": False}
 
 
 def checkpoint_files(out_dir):
@@ -141,7 +143,7 @@ def resume_overrides(out_dir, cfg, given, say=print):
         raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not {cfg.optimizer} as asked: its "
                         f"optimizer state cannot continue as the other; drop --optimizer to resume, or start a new run "
                         f"from its weights with --init_from={path} --out_dir=<a new folder>")
-    overrides = {k: saved[k] for k in RUN_KEYS if k in saved}
+    overrides = {k: saved.get(k, BEFORE_THE_KEY.get(k)) for k in RUN_KEYS if k in saved or k in BEFORE_THE_KEY}
     changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})" for k, v in overrides.items() if v != getattr(cfg, k)]
     if changed:
         say(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the run; "
@@ -161,15 +163,16 @@ def finished(ckpt, max_steps):
     return ckpt is not None and (ckpt["step"] > max_steps or evals_done_at(ckpt) == max_steps)
 
 
-def prune_checkpoints(out_dir, step, keep_last):
+def prune_checkpoints(out_dir, step, keep_last, keep=()):
     """Once ckpt_{step} is in place: delete the readable checkpoints that hold an older step but the
     keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was killed. An
     unreadable file is never counted among those kept and never deleted (resume skipped it, with a warning
-    naming it); a checkpoint holding a later step (from before a resume) is left alone."""
+    naming it); a checkpoint holding a later step (from before a resume), or one of the steps in keep (wsd's
+    cooldown start), is left alone."""
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
             os.remove(os.path.join(out_dir, name))
-    older = [path for s, path in held_steps(out_dir) if s < step]
+    older = [path for s, path in held_steps(out_dir) if s < step and s not in keep]
     for path in older[keep_last - 1:] if keep_last > 0 else []:
         os.remove(path)
 

@@ -23,6 +23,7 @@ OPTIMIZERS = ("adamw", "muon")
 MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (bench/muon.md)
 MUON_MOMENTUM = 0.95
 MUON_MOMENTUM_START = 0.85  # muon_momentum_warmup starts here (modded-nanogpt's 0.85 -> 0.95)
+MUON_SPLIT_QKV = True  # c_attn as q, k, v: -0.054 val (seed spread 0.017) in issue 33's ablation (bench/recipe.md)
 SCHEDULES = ("cosine", "linear", "wsd")
 MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
@@ -235,7 +236,7 @@ def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr
 
 def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
                      muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
-                     ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=False,
+                     ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=MUON_SPLIT_QKV,
                      embed_lr_mult=1.0, scalar_lr_mult=1.0):
     """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
     Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
@@ -279,10 +280,18 @@ def lr_multiplier(step, cfg):
     return lr / cfg.max_lr  # as a ratio of max_lr, in the exact floats of build-nanogpt's get_lr
 
 
+def cooldown_start(cfg):
+    """lr_schedule=wsd: the cooldown's first step (before it the lr is flat at max_lr, whatever max_steps is: a
+    checkpoint from before it continues with a larger max_steps exactly as a run planned that long); else None."""
+    if cfg.lr_schedule != "wsd":
+        return None
+    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))
+
+
 def decay_fraction(step, cfg):
     """How much of max_lr - min_lr is left at step (warmup_steps <= step < max_steps): 1 -> 0."""
     if cfg.lr_schedule == "wsd":
-        start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))  # cooldown's first
+        start = cooldown_start(cfg)
         return 1.0 if step < start else (cfg.max_steps - step) / (cfg.max_steps - start)
     ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
     return 0.5 * (1.0 + math.cos(math.pi * ratio)) if cfg.lr_schedule == "cosine" else 1.0 - ratio

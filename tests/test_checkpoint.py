@@ -34,7 +34,7 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 TINY_RUN = {"init_from": "scratch", "seq_len": 16, "total_batch_size": 64, "warmup_steps": 2, "max_lr": 1e-2,
             "min_lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0, "muon_lr": 6e-3, "muon_momentum": 0.95,
             "lr_schedule": "cosine", "cooldown_frac": 0.2, "embed_lr_mult": 1.0, "scalar_lr_mult": 1.0,
-            "muon_momentum_warmup": 0, "muon_split_qkv": False, "zero_init_proj": False}
+            "muon_momentum_warmup": 0, "muon_split_qkv": True, "zero_init_proj": False}
 
 
 def trained_model(data_dir, steps=1):
@@ -191,6 +191,21 @@ def test_resume_overrides_returns_what_the_checkpoint_fixes(saved, data_dir, tmp
     said.clear()
     cfg, given = parse_args(tiny_args(data_dir, out, resume="auto", max_steps=20))
     assert checkpoint.resume_overrides(out, cfg, given, say=said.append)[1] == TINY_RUN and said == []  # no change
+
+
+def test_a_checkpoint_from_before_a_key_resumes_with_what_it_ran(saved, data_dir, tmp_path):
+    """muon_split_qkv's default became True (issue 33's ablation); a checkpoint written before the key existed ran
+    Muon on c_attn whole, and resumes so, saying so."""
+    out = run_dir(tmp_path, saved)
+    ckpt = load_ckpt(saved)
+    del ckpt["config"]["muon_split_qkv"]
+    torch.save(ckpt, os.path.join(out, "ckpt_000008.pt"))
+    cfg, given = parse_args(tiny_args(data_dir, out, resume="true"))
+    said = []
+    overrides = checkpoint.resume_overrides(out, cfg, given, say=said.append)[1]
+    assert cfg.muon_split_qkv is True and overrides == dict(TINY_RUN, muon_split_qkv=False)
+    assert said == ["note: resuming keeps the checkpoint's muon_split_qkv=False (not True): they would change the run; "
+                    "to change them start a new run in another out_dir"]
 
 
 def test_resume_overrides_keep_the_checkpoints_model_when_the_user_set_none(saved, data_dir, tmp_path):

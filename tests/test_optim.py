@@ -141,14 +141,16 @@ class MatmulShapes(TorchDispatchMode):
 
 def test_newton_schulz_runs_once_per_wide_shape():
     """One batched Newton-Schulz per wide shape: c_fc (4C, C), tall, joins c_proj (C, 4C) transposed, and
-    c_attn (3C, C) is orthogonalized as (C, 3C): 3 stacks of n_layer (2 x n_layer for the MLP), 5 iterations."""
-    model = tiny_model(n_layer=2)
-    opts = optim.build_optimizers(model, "muon", verbose=False)
-    x, y = batch()
-    model(x, y)[1].backward()
-    with MatmulShapes() as seen:
-        opts[1].step()
-    assert sorted(set(seen.shapes)) == [(2, 32, 32), (2, 32, 96), (4, 32, 128)] and len(seen.shapes) == 15
+    c_attn (3C, C) is orthogonalized as (C, 3C): 3 stacks of n_layer (2 x n_layer for the MLP), 5 iterations.
+    Split (the default), c_attn's q, k, v join attn.c_proj's (C, C): 2 stacks."""
+    for split, shapes in ((False, [(2, 32, 32), (2, 32, 96), (4, 32, 128)]), (True, [(4, 32, 128), (8, 32, 32)])):
+        model = tiny_model(n_layer=2)
+        opts = optim.build_optimizers(model, "muon", muon_split_qkv=split, verbose=False)
+        x, y = batch()
+        model(x, y)[1].backward()
+        with MatmulShapes() as seen:
+            opts[1].step()
+        assert sorted(set(seen.shapes)) == shapes and len(seen.shapes) == 5 * len(shapes)
 
 
 class MatmulDtypes(TorchFunctionMode):
@@ -608,3 +610,9 @@ def test_each_schedule_is_its_shape(kind):
         assert optim.lr_multiplier(step, cfg) == pytest.approx(reference_schedule(step, kind), rel=1e-12), step
     if kind == "wsd":
         assert optim.lr_multiplier(69, cfg) == 1.0 and optim.lr_multiplier(85, cfg) == pytest.approx(0.55)
+
+
+def test_the_configs_optimizer_defaults_are_optims():
+    """A script that builds optimizers without a Config (bench.py, bench/muon_counts.py) gets the trainer's Muon."""
+    c = Config()
+    assert (c.muon_lr, c.muon_momentum, c.muon_split_qkv) == (optim.MUON_LR, optim.MUON_MOMENTUM, optim.MUON_SPLIT_QKV)

@@ -27,7 +27,7 @@ RESUMED = {  # resumed from step 4 of 8
     "wsd_mid_cooldown": dict(lr_schedule="wsd", cooldown_frac=0.75),  # cools down over steps 2..8
     "linear_to_zero": dict(lr_schedule="linear", min_lr=0.0),
     "momentum_mid_warmup": dict(MUON, muon_momentum_warmup=6),  # 0.85 -> 0.95 over steps 0..6
-    "split_qkv": dict(MUON, muon_split_qkv="true"),
+    "split_qkv_off": dict(MUON, muon_split_qkv="false"),  # (on is the default: "all" and momentum_mid_warmup)
     "zero_init_proj": dict(zero_init_proj="true"),
     "embed_scalar_lrs": dict(embed_lr_mult=3.0, scalar_lr_mult=2.0),  # adamw: three groups
     "all": ALL,
@@ -54,6 +54,25 @@ def test_each_key_resumes_bit_exact(keys, data_dir, tmp_path):
     shutil.copy(os.path.join(straight, "ckpt_000004.pt"), resumed)
     assert main(tiny_args(data_dir, resumed, resume="true", **keys)) == 0
     assert_bit_exact(straight, resumed, [4, 5, 6, 7])
+
+
+def test_wsd_keeps_the_cooldowns_start_and_a_longer_run_continues_from_it_exactly(data_dir, tmp_path, capsys):
+    """wsd's lr is flat until the cooldown, whatever max_steps is: the checkpoint at the cooldown's start is written
+    and kept (keep_last=1 keeps it beside the newest), and resumed with a larger max_steps in a new out_dir it
+    trains bit for bit as a run planned that long from the start (the config's fallback)."""
+    wsd = dict(lr_schedule="wsd", cooldown_frac=0.5, checkpoint_interval=0, checkpoint_minutes=0, keep_last=1)
+    bet, longer, planned = str(tmp_path / "bet"), str(tmp_path / "longer"), str(tmp_path / "planned")
+    assert main(tiny_args(data_dir, bet, **wsd)) == 0  # 8 steps, the cooldown from step 4
+    assert sorted(f for f in os.listdir(bet) if f.startswith("ckpt_")) == ["ckpt_000004.pt", "ckpt_000008.pt"]
+    assert "ckpt_000004.pt (the cooldown starts here; kept: to train longer" in capsys.readouterr().out
+    assert main(tiny_args(data_dir, planned, **dict(wsd, max_steps=12))) == 0  # the cooldown from step 6
+    os.makedirs(longer)
+    shutil.copy(os.path.join(bet, "ckpt_000004.pt"), longer)
+    assert main(tiny_args(data_dir, longer, resume="true", **dict(wsd, max_steps=12))) == 0
+    a, b = step_losses(planned), step_losses(longer)
+    assert sorted(b) == list(range(4, 12)) and all(a[s] == b[s] for s in b), (a, b)
+    ca, cb = load_ckpt(os.path.join(planned, "ckpt_000012.pt")), load_ckpt(os.path.join(longer, "ckpt_000012.pt"))
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
 
 
 def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch):
