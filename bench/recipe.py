@@ -2,7 +2,7 @@
 two byte-level models trained to >= 10 tokens per non-embedding parameter.
 
     python bench/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
-    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget (or --phase all)
+    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget, scaling (or all)
     python bench/recipe.py --report                  # bench/recipe.md: tables, token ratios, the plot
     # 2 cores: one process a size, each with its own JSON, then one JSON of all:
     python bench/recipe.py --sizes large --phase all --results /tmp/large.json &
@@ -44,7 +44,8 @@ CANDIDATES = {f"{L}x{C}": dict(n_layer=L, n_head=max(1, C // 32), n_embd=C) for 
 SIZES = {"small": CANDIDATES["4x64"], "large": CANDIDATES["4x96"]}  # --calibrate, 1 thread: ~1.6 and ~5.9 min a run
 B, T = 16, 256  # rows x bytes a step: 4,096 tokens
 BASE = dict(warmup_frac=0.04, min_ratio=0.1, weight_decay=0.1)  # build-nanogpt's shape: warmup, cosine to 0.1x
-GRIDS = {"adamw": [1e-3, 2e-3, 4e-3, 8e-3], "muon": [4e-3, 8e-3, 1.6e-2]}
+GRIDS = {"adamw": [1e-3, 2e-3, 4e-3, 8e-3], "muon": [4e-3, 8e-3, 1.6e-2], "original": [1.2e-2, 2.5e-2, 5e-2]}
+ORIGINAL = dict(muon_scaling="original")  # --phase scaling: Muon's lr on torch's original scale
 LEVERS = {  # each on top of today's Muon, alone (ablate), the adopted ones together (combo)
     "linear_d2z": dict(lr_schedule="linear", min_ratio=0.0),
     "wsd_d2z": dict(lr_schedule="wsd", cooldown_frac=0.2, min_ratio=0.0),
@@ -140,7 +141,8 @@ def run(name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
     opts = optim.build_optimizers(model, optimizer, lr=lr, weight_decay=BASE["weight_decay"],
                                   muon_lr=muon_lr or optim.MUON_LR, muon_split_qkv=keys.get("muon_split_qkv", False),
                                   embed_lr_mult=keys.get("embed_lr_mult", 1.0),
-                                  scalar_lr_mult=keys.get("scalar_lr_mult", 1.0), verbose=False)
+                                  scalar_lr_mult=keys.get("scalar_lr_mult", 1.0),
+                                  muon_scaling=keys.get("muon_scaling", "match_rms_adamw"), verbose=False)
     cfg, plan = schedule_config(steps, lr, keys), precision.make_plan("cpu", "fp32")
     scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())
     train, tok = ByteText("train", STATE["B"], STATE["T"], seed), STATE["B"] * STATE["T"]
@@ -221,13 +223,13 @@ def best(results, name, optimizer, keys=None, seed=0):
 # the phases
 
 
-def sweep(results, name, optimizer, grid, adamw_lr=None):
+def sweep(results, name, optimizer, grid, adamw_lr=None, keys=None):
     """Each value of grid (lr for AdamW, muon_lr for Muon), then x2 / /2 while the best sits on the edge
     (at most max_extend times)."""
     grid, max_extend = sorted(grid), STATE["max_extend"]
     value = (lambda r: r["lr"]) if optimizer == "adamw" else (lambda r: r["muon_lr"])  # noqa: E731
     for _ in range(max_extend + 1):
-        vals = {v: get(results, name, optimizer, *((v, None) if optimizer == "adamw" else (adamw_lr, v)))
+        vals = {v: get(results, name, optimizer, *((v, None) if optimizer == "adamw" else (adamw_lr, v)), keys)
                 for v in grid}
         b = min(vals, key=lambda v: vals[v]["final_val"])
         if grid[0] < b < grid[-1]:
@@ -260,6 +262,8 @@ def muon_base(results, name):
 
 
 def ablate(results, name="small"):
+    if name not in STATE["sizes"]:
+        return
     lr, muon_lr = muon_base(results, name)
     for seed in SEEDS:
         get(results, name, "muon", lr, muon_lr, {}, seed)
@@ -364,7 +368,19 @@ def budgets(results):
                 budget_walk(results, name, lr, muon_lr, k, seed, get)
 
 
-PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo, "budget": budgets}
+def scaling(results, name="small"):
+    """Muon's lr on torch's original scale (max(1, A/B)^0.5 a matrix: mlp.c_proj gets half match_rms_adamw's share)
+    at its own best lr from a bracketed sweep, seed 0 then its best at seed 1, against today's (match_rms_adamw)."""
+    if name not in STATE["sizes"]:
+        return
+    lr, muon_lr = muon_base(results, name)
+    best_lr = sweep(results, name, "muon", GRIDS["original"], adamw_lr=lr, keys=ORIGINAL)
+    get(results, name, "muon", lr, best_lr, ORIGINAL, 1)
+    get(results, name, "muon", lr, muon_lr, {}, 1)
+
+
+PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo, "budget": budgets,
+          "scaling": scaling}
 
 # -----------------------------------------------------------------------------
 # calibration and the report
@@ -460,6 +476,24 @@ def ratio_lines(results):
     return lines
 
 
+def scaling_lines(results, name="small"):
+    """Muon's lr scale: each sweep (seed 0) and each best at both seeds."""
+    m = best(results, name, "muon")
+    lines = ["| Muon's lr scale (small) | muon_lr -> final val, seed 0 | best: seeds 0 / 1 |", "|---|---|---|"]
+    for label, keys in (("match_rms_adamw (today's)", {}), ("original", ORIGINAL)):
+        rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon" and m
+                     and r["keys"] == keys and r["seed"] == 0 and r["lr"] == m["lr"] and r.get("budget", 1.0) == 1),
+                    key=lambda r: r["muon_lr"])
+        if not rs:
+            continue
+        b = min(rs, key=lambda r: r["final_val"])
+        seeds = [find(results, name, "muon", b["lr"], b["muon_lr"], keys, s) for s in SEEDS]
+        cells = ", ".join(f"{r['muon_lr']:g}: {r['final_val']:.4f}" for r in rs)
+        lines.append(f"| {label} | {cells} | "
+                     f"{b['muon_lr']:g}: {' / '.join(fmt(r and r['final_val']) for r in seeds)} |")
+    return lines
+
+
 def budget_lines(results):
     """Every budget run: its share of the tokens and its final val loss, against the target."""
     lines = ["| size | run | seed | budget -> final val (target: the tuned AdamW's mean) |", "|---|---|---|---|"]
@@ -513,6 +547,7 @@ def report(results, md_path):
             f"bytes a step).", "", f"![val loss against tokens]({os.path.relpath(png, os.path.dirname(md_path))})",
             "", "## Sweeps (seed 0)", "", *sweep_lines(results), "", "## Ablation", "", *ablation_lines(results), "",
             f"Adopted: {', '.join(adopted) if adopted else 'none yet'}.", "",
+            "## Muon's lr scale", "", *scaling_lines(results), "",
             "## Tokens to reach tuned AdamW's final val loss (mean of its seeds), as a share of AdamW's tokens", "",
             "*curve*: where the full-length run's val curve first crosses the target (mid-run its lr is still high, "
             "so this overstates what a decaying schedule needs, WSD's most). *budget*: the share of the tokens at "
@@ -527,7 +562,7 @@ def report(results, md_path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the five in order)")
+    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the six in order)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="add these JSONs' runs (other processes') to --results")
     p.add_argument("--report", action="store_true", help="write the tables and the plot from the JSON")
     p.add_argument("--calibrate", action="store_true", help="time each candidate size; project a run's minutes")

@@ -237,11 +237,13 @@ def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr
 def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
                      muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
                      ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=MUON_SPLIT_QKV,
-                     embed_lr_mult=1.0, scalar_lr_mult=1.0):
+                     embed_lr_mult=1.0, scalar_lr_mult=1.0, muon_scaling="match_rms_adamw"):
     """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
     Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
     muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q, k, v (Muon.split).
-    muon_weight_decay=None means weight_decay; fused=None means fused AdamW on CUDA where torch has it."""
+    muon_weight_decay=None means weight_decay; fused=None means fused AdamW on CUDA where torch has it.
+    muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is match_rms_adamw (bench/recipe.py measures
+    "original" against it)."""
     muon, decay, no_decay = split_params(model, optimizer)
     if fused is None:
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
@@ -252,7 +254,7 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
         wd = weight_decay if muon_weight_decay is None else muon_weight_decay
         qkv = [p for n, p in muon if muon_split_qkv and n.endswith("attn.c_attn.weight")]
         optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, split=qkv, lr=muon_lr,
-                               weight_decay=wd, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw"))
+                               weight_decay=wd, momentum=muon_momentum, adjust_lr_fn=muon_scaling))
         if verbose:
             print(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
                   f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "

@@ -40,7 +40,9 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path):
     for size in ("small", "large"):  # the budget phase: the combination at both seeds, at a share of the tokens
         short = [r for r in runs if r["size"] == size and r["keys"] == combo_keys and r["budget"] < 1]
         assert {r["seed"] for r in short} == {0, 1} and all(r["steps"] <= 3 for r in short)
-    assert "### The budget runs" in md
+    assert "### The budget runs" in md and "| original |" in md  # --phase scaling: torch's original lr scale
+    original = [r for r in runs if r["size"] == "small" and r["keys"] == recipe.ORIGINAL]
+    assert len({r["muon_lr"] for r in original}) >= 3 and {r["seed"] for r in original} == {0, 1}
     again = smoke(results)
     assert len(json.load(open(results))["runs"]) == len(runs)  # nothing ran again
     assert not any(line.startswith(("  small ", "  large ")) for line in again.splitlines()), again
