@@ -534,9 +534,11 @@ def print_samples(run, step, last, say):
 
 def checkpoint_due(run, step, last, progress):
     """Whether a checkpoint is written before this step: at the end, every checkpoint_interval steps, by the
-    clock (checkpoint_minutes), or at wsd's cooldown start (kept: the run continues from it with a larger
-    max_steps exactly as if planned); never at step 0 or at the step the resumed checkpoint holds."""
-    every, branch = run.cfg.checkpoint_interval, step == optim.cooldown_start(run.cfg)
+    clock (checkpoint_minutes), or at wsd's cooldown start when checkpoint_interval is on (kept: the run continues
+    from it with a larger max_steps exactly as if planned); never at step 0 or at the step the resumed checkpoint
+    holds."""
+    every = run.cfg.checkpoint_interval
+    branch = every > 0 and step == optim.cooldown_start(run.cfg)
     return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch
                                                        or every > 0 and step % every == 0)
 

@@ -52,7 +52,7 @@ class Config:
     max_lr: float = 6e-4  # AdamW's learning rate after warmup
     min_lr: float = 6e-5  # AdamW's learning rate at max_steps
     lr_schedule: str = "cosine"  # after warmup to min_lr: cosine (build-nanogpt's), linear, or wsd (flat, then linear)
-    cooldown_frac: float = 0.2  # lr_schedule=wsd: the last fraction of max_steps that cools down (its start is saved)
+    cooldown_frac: float = 0.2  # lr_schedule=wsd: the last fraction of max_steps that cools down (its start: saved)
     embed_lr_mult: float = 1.0  # AdamW's lr x this on wte (tied lm_head) and wpe; 1 = GPT-2's (speedruns: ~3)
     scalar_lr_mult: float = 1.0  # AdamW's lr x this on biases and layer-norm gains; 1 = GPT-2's (speedruns: ~3)
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)

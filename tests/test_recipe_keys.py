@@ -59,12 +59,15 @@ def test_each_key_resumes_bit_exact(keys, data_dir, tmp_path):
 def test_wsd_keeps_the_cooldowns_start_and_a_longer_run_continues_from_it_exactly(data_dir, tmp_path, capsys):
     """wsd's lr is flat until the cooldown, whatever max_steps is: the checkpoint at the cooldown's start is written
     and kept (keep_last=1 keeps it beside the newest), and resumed with a larger max_steps in a new out_dir it
-    trains bit for bit as a run planned that long from the start (the config's fallback)."""
-    wsd = dict(lr_schedule="wsd", cooldown_frac=0.5, checkpoint_interval=0, checkpoint_minutes=0, keep_last=1)
+    trains bit for bit as a run planned that long from the start (the config's fallback). checkpoint_interval=0
+    (no checkpoints but the last) writes none there."""
+    wsd = dict(lr_schedule="wsd", cooldown_frac=0.5, checkpoint_interval=100, checkpoint_minutes=0, keep_last=1)
     bet, longer, planned = str(tmp_path / "bet"), str(tmp_path / "longer"), str(tmp_path / "planned")
     assert main(tiny_args(data_dir, bet, **wsd)) == 0  # 8 steps, the cooldown from step 4
     assert sorted(f for f in os.listdir(bet) if f.startswith("ckpt_")) == ["ckpt_000004.pt", "ckpt_000008.pt"]
     assert "ckpt_000004.pt (the cooldown starts here; kept: to train longer" in capsys.readouterr().out
+    assert main(tiny_args(data_dir, str(tmp_path / "none"), **dict(wsd, checkpoint_interval=0))) == 0
+    assert [f for f in os.listdir(tmp_path / "none") if f.startswith("ckpt_")] == ["ckpt_000008.pt"]
     assert main(tiny_args(data_dir, planned, **dict(wsd, max_steps=12))) == 0  # the cooldown from step 6
     os.makedirs(longer)
     shutil.copy(os.path.join(bet, "ckpt_000004.pt"), longer)
