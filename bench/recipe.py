@@ -207,10 +207,13 @@ def merge(results, paths):
     have = {identity(r) for r in results["runs"]}
     for path in paths:
         with open(path) as f:
-            for r in json.load(f)["runs"]:
-                if identity(r) not in have:
-                    results["runs"].append(r)
-                    have.add(identity(r))
+            other = json.load(f)
+        if "adopted" in other:
+            results.setdefault("adopted", other["adopted"])
+        for r in other["runs"]:
+            if identity(r) not in have:
+                results["runs"].append(r)
+                have.add(identity(r))
     save(results)
 
 
@@ -476,6 +479,47 @@ def ratio_lines(results):
     return lines
 
 
+def lever_name(keys, combo):
+    """A run's keys as the lever that sets them, 'combination', or 'today's Muon'."""
+    if not keys:
+        return "today's Muon"
+    if keys == combo:
+        return "combination"
+    return next((k for k, v in LEVERS.items() if v == keys), json.dumps(keys, sort_keys=True))
+
+
+def transfer_lines(results, small="small", large="large"):
+    """Each lever alone at the large size (where run), beside the small size's ablation: do they carry over?"""
+    rows, m = ablation(results, small), best(results, large, "muon")
+    if m is None or large not in STATE["sizes"]:
+        return []
+    base = [find(results, large, "muon", m["lr"], m["muon_lr"], {}, s) for s in SEEDS]
+    lines = [f"| lever | {small}: mean delta (spread) | {large}: delta, seed 0 | adopted at {small} |",
+             "|---|---|---|---|"]
+    for lever, keys in LEVERS.items():
+        on = find(results, large, "muon", m["lr"], m["muon_lr"], keys, 0)
+        if on is None or base[0] is None or lever not in rows:
+            continue
+        _, mean, spread, ok = rows[lever]
+        lines.append(f"| {lever} | {mean:+.4f} ({spread:.4f}) | {on['final_val'] - base[0]['final_val']:+.4f} | "
+                     f"{'yes' if ok else 'no'} |")
+    if all(base):
+        lines += ["", f"Today's Muon at {large}, seeds 0 / 1: {base[0]['final_val']:.4f} / {base[1]['final_val']:.4f} "
+                  f"(spread {abs(base[0]['final_val'] - base[1]['final_val']):.4f})."]
+    return lines
+
+
+def full_runs_lines(results, name="large"):
+    """Every full-length Muon run at one size: lever or combination, AdamW's lr, seed, final val."""
+    combo = results.get("adopted", {}).get("keys", {})
+    rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
+                 and r.get("budget", 1.0) == 1.0), key=lambda r: (lever_name(r["keys"], combo), r["lr"],
+                                                                  r["muon_lr"], r["seed"]))
+    lines = ["| run | AdamW lr | muon_lr | seed | final val |", "|---|---|---|---|---|"]
+    return lines + [f"| {lever_name(r['keys'], combo)} | {r['lr']:g} | {r['muon_lr']:g} | {r['seed']} | "
+                    f"{r['final_val']:.4f} |" for r in rs]
+
+
 def scaling_lines(results, name="small"):
     """Muon's lr scale: each sweep (seed 0) and each best at both seeds."""
     m = best(results, name, "muon")
@@ -547,6 +591,8 @@ def report(results, md_path):
             f"bytes a step).", "", f"![val loss against tokens]({os.path.relpath(png, os.path.dirname(md_path))})",
             "", "## Sweeps (seed 0)", "", *sweep_lines(results), "", "## Ablation", "", *ablation_lines(results), "",
             f"Adopted: {', '.join(adopted) if adopted else 'none yet'}.", "",
+            "## The levers at the larger size", "", *transfer_lines(results), "",
+            "Every full-length Muon run there:", "", *full_runs_lines(results), "",
             "## Muon's lr scale", "", *scaling_lines(results), "",
             "## Tokens to reach tuned AdamW's final val loss (mean of its seeds), as a share of AdamW's tokens", "",
             "*curve*: where the full-length run's val curve first crosses the target (mid-run its lr is still high, "
