@@ -51,16 +51,16 @@ class Config:
     warmup_steps: int = 715  # GPT-3 warms up over 375M tokens
     max_lr: float = 6e-4  # AdamW's learning rate after warmup
     min_lr: float = 6e-5  # AdamW's learning rate at max_steps
-    lr_schedule: str = "cosine"  # after warmup to min_lr: cosine (build-nanogpt's), linear, or wsd (flat, then linear)
+    lr_schedule: str = "cosine"  # cosine (build-nanogpt's), linear, or wsd (flat, then linear: the Muon configs')
     cooldown_frac: float = 0.2  # lr_schedule=wsd: the last fraction of max_steps that cools down (its start: saved)
-    embed_lr_mult: float = 1.0  # AdamW's lr x this on wte (tied lm_head) and wpe; 1 = GPT-2's (speedruns: ~3)
-    scalar_lr_mult: float = 1.0  # AdamW's lr x this on biases and layer-norm gains; 1 = GPT-2's (speedruns: ~3)
+    embed_lr_mult: float = 1.0  # AdamW's lr x this on wte (tied lm_head) and wpe; 1 = GPT-2's (Muon configs: 3)
+    scalar_lr_mult: float = 1.0  # AdamW's lr x this on biases and layer-norm gains; 1 = GPT-2's (Muon configs: 3)
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
     muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (bench/muon.md: 6e-3, 8e-3 best)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
     muon_momentum_warmup: int = 0  # optimizer=muon: steps over which momentum goes 0.85 -> muon_momentum; 0 = off
     muon_split_qkv: bool = True  # optimizer=muon: c_attn as q, k, v: three (C, C) (bench/recipe.md: -0.054 val)
-    zero_init_proj: bool = False  # scratch runs: attn.c_proj, mlp.c_proj weights start at 0 (modded-nanogpt, nanochat)
+    zero_init_proj: bool = False  # scratch runs: attn.c_proj, mlp.c_proj weights start at 0 (the Muon configs)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
     eval_interval: int = 250  # steps between val loss evaluations
