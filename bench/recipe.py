@@ -453,6 +453,15 @@ def ablation_lines(results):
     return lines
 
 
+def combo_lrs(results, name):
+    """AdamW lrs the combination ran at, full length, at this size: muon_base's first (the protocol's), then any
+    other (a retune at that size, reported as one)."""
+    keys, base = results.get("adopted", {}).get("keys", {}), muon_base(results, name)[0]
+    others = {r["lr"] for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon" and r["keys"] == keys
+              and keys and r.get("budget", 1.0) == 1.0 and r["lr"] != base}
+    return [base, *sorted(others)]
+
+
 def ratio_lines(results):
     """Two readings of 'tokens to reach the tuned AdamW': where the full run's val curve first crosses the target
     (mid-run the lr is still high, so this overstates a decaying schedule's need, WSD's most), and the share of the
@@ -467,15 +476,17 @@ def ratio_lines(results):
             continue
         adamw = [find(results, name, "adamw", a["lr"], None, {}, s) for s in SEEDS]
         goal = target(results, name)
-        combos = [find(results, name, "muon", m["lr"], m["muon_lr"], keys, s) for s in SEEDS]
-        curve = " / ".join(times(c and ratio(c["curve"], goal, a["tokens"])) if c else "n/a" for c in combos)
-        budget = " / ".join(times(budget_ratio(results, name, m["lr"], m["muon_lr"], keys, s)) for s in SEEDS)
         today = (f"{times(ratio(m['curve'], goal, a['tokens']))} / "
                  f"{times(budget_ratio(results, name, m['lr'], m['muon_lr'], {}, 0))}")
         size = a["model"]
-        lines.append(f"| {name} | {size['n_layer']} x {size['n_embd']} | {a['params']:,} | {a['tokens']:,} "
-                     f"({a['tokens'] / a['params']:.1f}) | {a['lr']:g}, "
-                     f"{' / '.join(fmt(r and r['final_val']) for r in adamw)} | {today} | {curve} | {budget} |")
+        for lr in combo_lrs(results, name):
+            combos = [find(results, name, "muon", lr, m["muon_lr"], keys, s) for s in SEEDS]
+            curve = " / ".join(times(c and ratio(c["curve"], goal, a["tokens"])) if c else "n/a" for c in combos)
+            budget = " / ".join(times(budget_ratio(results, name, lr, m["muon_lr"], keys, s)) for s in SEEDS)
+            at = "" if lr == m["lr"] else f" (combination at AdamW lr {lr:g})"
+            lines.append(f"| {name}{at} | {size['n_layer']} x {size['n_embd']} | {a['params']:,} | {a['tokens']:,} "
+                         f"({a['tokens'] / a['params']:.1f}) | {a['lr']:g}, "
+                         f"{' / '.join(fmt(r and r['final_val']) for r in adamw)} | {today} | {curve} | {budget} |")
     return lines
 
 
@@ -546,10 +557,13 @@ def budget_lines(results):
         m = best(results, name, "muon")
         if m is None or best(results, name, "adamw") is None:
             continue
-        for label, k in (("today's Muon", {}), ("combination", keys)):
+        runs = [("today's Muon", {}, m["lr"])] + [(lever, k, m["lr"]) for lever, k in LEVERS.items()]
+        runs += [("combination" + ("" if lr == m["lr"] else f" at AdamW lr {lr:g}"), keys, lr)
+                 for lr in combo_lrs(results, name)]
+        for label, k, lr in runs:
             for seed in SEEDS:
                 rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
-                             and (r["lr"], r["muon_lr"], r["keys"], r["seed"]) == (m["lr"], m["muon_lr"], k, seed)),
+                             and (r["lr"], r["muon_lr"], r["keys"], r["seed"]) == (lr, m["muon_lr"], k, seed)),
                             key=lambda r: r.get("budget", 1.0))
                 if len(rs) > 1:
                     cells = ", ".join(f"{r.get('budget', 1.0):g}: {r['final_val']:.4f}" for r in rs)
