@@ -2,7 +2,7 @@
 two byte-level models trained to >= 10 tokens per non-embedding parameter.
 
     python bench/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
-    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget, scaling (or all)
+    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget, scaling, transfer
     python bench/recipe.py --report                  # bench/recipe.md: tables, token ratios, the plot
     # 2 cores: one process a size, each with its own JSON, then one JSON of all:
     python bench/recipe.py --sizes large --phase all --results /tmp/large.json &
@@ -382,8 +382,24 @@ def scaling(results, name="small"):
     get(results, name, "muon", lr, muon_lr, {}, 1)
 
 
+def transfer(results, small="small"):
+    """Do the levers carry over? At every other size: each lever alone (seed 0), today's Muon at seed 1 (the spread
+    there), the schedule lever's budget walk, and the combination at half AdamW's lr (a retune, both seeds, with its
+    budget walks)."""
+    keys = results.get("adopted", {}).get("keys")
+    for name in [n for n in STATE["sizes"] if n != small]:
+        lr, muon_lr = muon_base(results, name)
+        get(results, name, "muon", lr, muon_lr, {}, 1)
+        for lever in LEVERS.values():
+            get(results, name, "muon", lr, muon_lr, lever, 0)
+        budget_walk(results, name, lr, muon_lr, LEVERS["wsd_d2z"], 0, get)
+        for seed in SEEDS if keys else ():
+            get(results, name, "muon", lr / 2, muon_lr, keys, seed)
+            budget_walk(results, name, lr / 2, muon_lr, keys, seed, get)
+
+
 PHASES = {"adamw_sweep": adamw_sweep, "muon_sweep": muon_sweep, "ablate": ablate, "combo": combo, "budget": budgets,
-          "scaling": scaling}
+          "scaling": scaling, "transfer": transfer}
 
 # -----------------------------------------------------------------------------
 # calibration and the report
@@ -622,7 +638,7 @@ def report(results, md_path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the six in order)")
+    p.add_argument("--phase", choices=[*PHASES, "all"], help="run this phase (all: the seven in order)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="add these JSONs' runs (other processes') to --results")
     p.add_argument("--report", action="store_true", help="write the tables and the plot from the JSON")
     p.add_argument("--calibrate", action="store_true", help="time each candidate size; project a run's minutes")

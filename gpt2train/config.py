@@ -56,7 +56,7 @@ class Config:
     embed_lr_mult: float = 1.0  # AdamW's lr x this on wte (tied lm_head) and wpe; 1 = GPT-2's (Muon configs: 3)
     scalar_lr_mult: float = 1.0  # AdamW's lr x this on biases and layer-norm gains; 1 = GPT-2's (Muon configs: 3)
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
-    muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (bench/muon.md: 6e-3, 8e-3 best)
+    muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (torch's original: no better)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
     muon_momentum_warmup: int = 0  # optimizer=muon: steps over which momentum goes 0.85 -> muon_momentum; 0 = off
     muon_split_qkv: bool = True  # optimizer=muon: c_attn as q, k, v: three (C, C) (bench/recipe.md: -0.054 val)

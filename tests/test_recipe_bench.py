@@ -41,6 +41,10 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path):
         short = [r for r in runs if r["size"] == size and r["keys"] == combo_keys and r["budget"] < 1]
         assert {r["seed"] for r in short} == {0, 1} and all(r["steps"] <= 3 for r in short)
     assert "### The budget runs" in md and "| original |" in md  # --phase scaling: torch's original lr scale
+    large = [r for r in runs if r["size"] == "large" and r["budget"] == 1 and r["optimizer"] == "muon"]
+    for keys in recipe.LEVERS.values():  # --phase transfer: each lever alone at the larger size
+        assert any(r["keys"] == keys for r in large)
+    assert "## The levers at the larger size" in md
     original = [r for r in runs if r["size"] == "small" and r["keys"] == recipe.ORIGINAL]
     assert len({r["muon_lr"] for r in original}) >= 3 and {r["seed"] for r in original} == {0, 1}
     again = smoke(results)
