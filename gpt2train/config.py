@@ -58,7 +58,7 @@ class Config:
     weight_decay: float = 0.1  # AdamW's, on matrices and embeddings only (and Muon's, on its matrices)
     muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (torch's original: no better)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
-    muon_momentum_warmup: int = 0  # optimizer=muon: steps over which momentum goes 0.85 -> muon_momentum; 0 = off
+    muon_momentum_warmup: int = 0  # optimizer=muon: steps of momentum 0.85 -> muon_momentum; 0 = off (measured no gain)
     muon_split_qkv: bool = True  # optimizer=muon: c_attn as q, k, v: three (C, C) (bench/recipe.md: -0.054 val)
     zero_init_proj: bool = False  # scratch runs: attn.c_proj, mlp.c_proj weights start at 0 (the Muon configs)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
