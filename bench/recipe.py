@@ -165,10 +165,18 @@ def run(name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
 # the JSON: runs appended as they end, looked up by what they ran
 
 
+def read(path):
+    """A results JSON; a run from before the budget phase ran the whole budget (1.0)."""
+    with open(path) as f:
+        results = json.load(f)
+    for r in results["runs"]:
+        r.setdefault("budget", 1.0)
+    return results
+
+
 def load():
     if os.path.exists(STATE["results"]):
-        with open(STATE["results"]) as f:
-            return json.load(f)
+        return read(STATE["results"])
     return {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(), "B": STATE["B"],
                      "T": STATE["T"], "tokens_per_param": TOKENS_PER_PARAM, "base": BASE}, "runs": []}
 
@@ -183,7 +191,7 @@ def save(results):
 def identity(r):
     """What a run ran: two runs with the same identity are the same run (runs are deterministic)."""
     return (r["size"], r["optimizer"], r["lr"], r["muon_lr"], json.dumps(r["keys"], sort_keys=True), r["seed"],
-            r.get("budget", 1.0))
+            r["budget"])
 
 
 def find(results, name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
@@ -206,8 +214,7 @@ def merge(results, paths):
     """--merge: the runs of other JSONs (one process a size on a 2-core CPU) not already in results."""
     have = {identity(r) for r in results["runs"]}
     for path in paths:
-        with open(path) as f:
-            other = json.load(f)
+        other = read(path)
         if "adopted" in other:
             results.setdefault("adopted", other["adopted"])
         for r in other["runs"]:
@@ -219,7 +226,7 @@ def merge(results, paths):
 
 def best(results, name, optimizer, keys=None, seed=0):
     rs = [r for r in results["runs"] if r["size"] == name and r["optimizer"] == optimizer
-          and r["keys"] == (keys or {}) and r["seed"] == seed and r.get("budget", 1.0) == 1.0]
+          and r["keys"] == (keys or {}) and r["seed"] == seed and r["budget"] == 1.0]
     return min(rs, key=lambda r: r["final_val"]) if rs else None
 
 # -----------------------------------------------------------------------------
@@ -474,7 +481,7 @@ def combo_lrs(results, name):
     other (a retune at that size, reported as one)."""
     keys, base = results.get("adopted", {}).get("keys", {}), muon_base(results, name)[0]
     others = {r["lr"] for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon" and r["keys"] == keys
-              and keys and r.get("budget", 1.0) == 1.0 and r["lr"] != base}
+              and keys and r["budget"] == 1.0 and r["lr"] != base}
     return [base, *sorted(others)]
 
 
@@ -540,7 +547,7 @@ def full_runs_lines(results, name="large"):
     """Every full-length Muon run at one size: lever or combination, AdamW's lr, seed, final val."""
     combo = results.get("adopted", {}).get("keys", {})
     rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
-                 and r.get("budget", 1.0) == 1.0), key=lambda r: (lever_name(r["keys"], combo), r["lr"],
+                 and r["budget"] == 1.0), key=lambda r: (lever_name(r["keys"], combo), r["lr"],
                                                                   r["muon_lr"], r["seed"]))
     lines = ["| run | AdamW lr | muon_lr | seed | final val |", "|---|---|---|---|---|"]
     return lines + [f"| {lever_name(r['keys'], combo)} | {r['lr']:g} | {r['muon_lr']:g} | {r['seed']} | "
@@ -551,9 +558,9 @@ def scaling_lines(results, name="small"):
     """Muon's lr scale: each sweep (seed 0) and each best at both seeds."""
     m = best(results, name, "muon")
     lines = ["| Muon's lr scale (small) | muon_lr -> final val, seed 0 | best: seeds 0 / 1 |", "|---|---|---|"]
-    for label, keys in (("match_rms_adamw (today's)", {}), ("original", ORIGINAL)):
-        rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon" and m
-                     and r["keys"] == keys and r["seed"] == 0 and r["lr"] == m["lr"] and r.get("budget", 1.0) == 1),
+    for label, keys in (("match_rms_adamw (today's)", {}), ("original", ORIGINAL)) if m else ():
+        rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
+                     and r["keys"] == keys and r["seed"] == 0 and r["lr"] == m["lr"] and r["budget"] == 1),
                     key=lambda r: r["muon_lr"])
         if not rs:
             continue
@@ -580,9 +587,9 @@ def budget_lines(results):
             for seed in SEEDS:
                 rs = sorted((r for r in results["runs"] if r["size"] == name and r["optimizer"] == "muon"
                              and (r["lr"], r["muon_lr"], r["keys"], r["seed"]) == (lr, m["muon_lr"], k, seed)),
-                            key=lambda r: r.get("budget", 1.0))
+                            key=lambda r: r["budget"])
                 if len(rs) > 1:
-                    cells = ", ".join(f"{r.get('budget', 1.0):g}: {r['final_val']:.4f}" for r in rs)
+                    cells = ", ".join(f"{r['budget']:g}: {r['final_val']:.4f}" for r in rs)
                     lines.append(f"| {name} | {label} | {seed} | {cells} (target {target(results, name):.4f}) |")
     return lines
 
