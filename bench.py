@@ -13,13 +13,15 @@ Speed and memory benchmarks for GPT-2 training steps.
 
 The ladder adds one technique per row, in this order: fp32 -> +TF32 -> +autocast (bf16, or fp16 with
 a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked softmax) -> +vocab 50304
--> +fused AdamW -> +chunked loss. Then options, each kept only if faster than the best row so far: the
-plan's other SDPA kernel orders, micro-batches 16/32/64, compile mode max-autotune (GPU only). The core rungs
+-> +fused AdamW -> the loss head the trainer runs (memory.choose_loss_impl: full logits inside the compiled
+graph where they fit, else the chunked head). Then options, each kept only if faster than the best row so far:
+the plan's other SDPA kernel orders, the chunked head (GPU), micro-batches 16/32/64, compile mode max-autotune
+(GPU only). The core rungs
 are timed last to first (the trainer's stack first: a run cut off keeps it), the table is in ladder order. Rungs
 that cannot apply on the device are printed as skipped, with the reason. Every row counts the host
 syncs of a step.
 
-The memory estimate and the micro-batch finder live in memory.py, the training step in precision.py
+The memory estimate and the micro-batch finder live in memory.py, the training step in optim.py
 (optim.train_step runs the trainer's own accumulate_gradients + optimizer_step, so the ladder times
 the step training runs); this file times and reports. Never imports train_gpt2.
 """
@@ -41,11 +43,10 @@ from gpt2train import precision
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from gpt2train.distributed import agree
-from gpt2train.memory import (activation_bytes_estimate, auto_micro_batch, estimated_micro_batch, fmt_bytes,
-                              free_memory, loss_chunk, optimizer_state_tensors, param_counts, random_batch,
-                              tensor_bytes, training_bytes_estimate)
+from gpt2train.memory import (activation_bytes_estimate, auto_micro_batch, choose_loss_impl, estimated_micro_batch,
+                              fmt_bytes, free_memory, optimizer_state_tensors, param_counts, random_batch,
+                              set_loss_head, tensor_bytes, training_bytes_estimate)
 from gpt2train.optim import train_step
-from gpt2train.loss import CE_CHUNK_ROWS
 from gpt2train.precision import is_oom
 
 # -----------------------------------------------------------------------------
@@ -78,9 +79,10 @@ def where_label(device_type, capability):
 
 
 def rung_plan(device, settings):
-    """The precision plan one rung runs under: the device's plan with the rung's dtype, TF32 and kernels."""
+    """The precision plan one rung runs under: the device's plan with the rung's dtype, TF32, compile and kernels."""
     return dataclasses.replace(precision.make_plan(device), dtype=settings["dtype"], grad_scaler=settings["scaler"],
-                               tf32=settings["tf32"], sdpa_backends=settings["sdpa_backends"])
+                               tf32=settings["tf32"], sdpa_backends=settings["sdpa_backends"],
+                               compile=settings["compile"])
 
 
 # -----------------------------------------------------------------------------
@@ -108,6 +110,7 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
         where = where_label(device_type, capability)
         reason = gpu_only or f"the precision plan for {where} has one kernel ({'/'.join(backends)})"
         rungs.append(("attention kernels", {}, reason, "", True))
+    rungs.append(("chunked loss", {"loss": "chunked"}, gpu_only, "the memory fallback, vs the trainer's head", True))
     for b in MICRO_BATCHES:
         if b != micro_batch:
             rungs.append((f"micro-batch {b}", {"micro_batch": b}, gpu_only, f"vs {micro_batch}, same seq_len", True))
@@ -145,7 +148,7 @@ def core_rungs(plan, device_type, capability=None, force_compile=False, fused_ok
         fused_ok = device_type == "cuda" or fused_available(device_type)
     rungs.append(("+fused AdamW", {"fused": True}, None if fused_ok else
                   f"this torch has no fused AdamW kernel for {device_type}", "vs foreach"))
-    rungs.append(("+chunked loss", {"loss": "chunked"}, None, "vs logits + F.cross_entropy"))
+    rungs.append(("+loss head", {"loss": "auto"}, None, "the trainer's choice"))
     return rungs
 
 
@@ -158,21 +161,22 @@ def fused_available(device_type):
     return True
 
 
-def build(settings, size, seq_len, device, device_type, optimizer="adamw", chunk_rows=CE_CHUNK_ROWS):
-    """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the trainer's)
-    for one rung's settings; chunk_rows: the chunked loss's rows a chunk (the trainer's: memory.loss_chunk)."""
+def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
+    """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the trainer's) for one
+    rung's settings under its plan (rung_plan), with the loss head the trainer would run at micro_batch x seq_len
+    (settings["loss"] "auto": memory.choose_loss_impl, and memory.set_loss_head's chunk rows), compiled as the
+    trainer compiles (precision.compile_model)."""
     torch.manual_seed(1337)
-    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
-                       loss_impl=settings["loss"], **SIZES[size])
-    raw = GPT(config, activation_checkpointing=settings["ckpt"], ce_chunk_rows=chunk_rows).to(device)
-    optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=device_type,
-                                        ns_dtype=optim.ns_dtype_for(settings.get("dtype"), device_type),
+    config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"], **SIZES[size])
+    raw = GPT(config, activation_checkpointing=settings["ckpt"]).to(plan.device)
+    set_loss_head(raw, plan, micro_batch, seq_len, choose_loss_impl(raw, plan, settings["loss"], micro_batch,
+                                                                    seq_len)[0])
+    optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=plan.device_type,
+                                        ns_dtype=optim.ns_dtype_for(settings.get("dtype"), plan.device_type),
                                         fused=settings["fused"], verbose=False)
-    model = raw
-    if settings["compile"]:
+    if plan.compile:
         torch._dynamo.reset()  # a fresh cache per rung: no recompile limit, no stale graphs
-        model = torch.compile(raw, mode=settings.get("compile_mode"))
-    return raw, model, optimizers
+    return raw, precision.compile_model(raw, plan, mode=settings.get("compile_mode")), optimizers
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s text
@@ -208,8 +212,8 @@ def time_steps(model, optimizers, scaler, x, y, plan, warmup, steps):
 
 
 def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
-    """Median ms/step of `steps` synchronised steps after `warmup`, peak memory and the host syncs of
-    one more step (both CUDA only, else None)."""
+    """Median ms/step of `steps` synchronised steps after `warmup`, FLOPs per token, peak memory and the host
+    syncs of one more step (both CUDA only, else None), and the loss head that ran ("full", "chunked, N rows")."""
     device_type = torch.device(device).type
     plan = rung_plan(device, settings)
     precision.set_tf32(plan.tf32)
@@ -217,8 +221,7 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     b = settings.get("micro_batch", micro_batch)
-    chunk = loss_chunk(plan, b * seq_len, settings["vocab"])  # the trainer's rows a chunk at b x seq_len here
-    raw, model, optimizers = build(settings, size, seq_len, device, device_type, chunk_rows=chunk)
+    raw, model, optimizers = build(settings, size, b, seq_len, plan)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     x, y = random_batch(b, seq_len, device)
     ms = 1000 * time_steps(model, optimizers, scaler, x, y, plan, warmup, steps)
@@ -226,7 +229,8 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else (None, None)
     syncs = count_syncs(lambda: train_step(model, optimizers, scaler, x, y, plan)) if cuda else None
     fpt = flops_per_token(raw, seq_len)
-    return ms, fpt, peak, syncs
+    head = raw.loss_impl + (f", {raw.ce_chunk_rows} rows a chunk" if raw.loss_impl == "chunked" else "")
+    return ms, fpt, peak, syncs, head
 
 
 def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True, core=False,
@@ -278,8 +282,8 @@ def time_row(row, trial, rung, plan, size, micro_batch, seq_len, warmup, steps, 
     row["skipped"] = skip
     if skip is None:
         try:
-            ms, fpt, (alloc, reserved), syncs = time_rung(trial, size, micro_batch, seq_len, warmup, steps,
-                                                          plan.device)
+            ms, fpt, (alloc, reserved), syncs, head = time_rung(trial, size, micro_batch, seq_len, warmup, steps,
+                                                                plan.device)
         except RuntimeError as e:  # torch.compile's errors are RuntimeErrors too
             if is_oom(e):
                 row["skipped"] = (f"out of memory at {trial['micro_batch']}x{seq_len}"
@@ -293,9 +297,8 @@ def time_row(row, trial, rung, plan, size, micro_batch, seq_len, warmup, steps, 
             row.update(ms_per_step=ms, tokens_per_s=tok_s, peak_allocated=alloc, peak_reserved=reserved,
                        syncs_per_step=syncs,
                        mfu=precision.estimate_mfu(fpt, tok_s, plan.device_name, trial["dtype"], trial["tf32"]))
-            if change.get("loss") == "chunked":  # the trainer's chunk for this device and micro-batch
-                chunk = loss_chunk(rung_plan(plan.device, trial), trial["micro_batch"] * seq_len, trial["vocab"])
-                row["note"] = f"{note}; {chunk} rows a chunk (the trainer's)"
+            if "loss" in change:  # the head that ran: the trainer's choice and chunk for this device and size
+                row["note"] = f"{note}: {head}"
     if verbose:
         done = f"{row['ms_per_step']:.1f} ms/step" if row["skipped"] is None else f"skipped ({row['skipped']})"
         print(f"  {name}: {done}", file=sys.stderr)
@@ -393,7 +396,7 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
                    note=f"{world} rank(s), gradient_as_bucket_view")
         if skip is None:
             precision.set_tf32(plan.tf32)
-            raw, _, optimizers = build(settings, size, seq_len, device, device_type)
+            raw, _, optimizers = build(settings, size, micro_batch, seq_len, rung_plan(device, settings))
             torch._dynamo.reset()
             model = wrap_ddp(raw, order, [device] if device_type == "cuda" else None, backend)
             scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
@@ -535,13 +538,14 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     settings = dict(BASELINE, tf32=plan.tf32, dtype=plan.dtype, scaler=plan.grad_scaler, attn="sdpa",
                     sdpa_backends=plan.sdpa_backends, vocab=50304, fused=device_type == "cuda", loss=loss, ckpt=ckpt)
     dname = precision.dtype_name(plan.dtype)
-    lines = [f"memory of a training step: {size} at {micro_batch}x{seq_len}, {plan.describe()}, vocab 50304, "
-             f"{loss} loss, activation checkpointing {ckpt}, on {device_name or device_type}"]
     precision.set_tf32(settings["tf32"])
     free_memory(device_type)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    raw, model, optimizers = build(settings, size, seq_len, device, device_type, optimizer)
+    raw, model, optimizers = build(settings, size, micro_batch, seq_len, rung_plan(device, settings), optimizer)
+    loss = raw.loss_impl  # auto: the head the trainer would run here, eager
+    lines = [f"memory of a training step: {size} at {micro_batch}x{seq_len}, {plan.describe()}, vocab 50304, "
+             f"{loss} loss, activation checkpointing {ckpt}, eager, on {device_name or device_type}"]
     x, y = random_batch(micro_batch, seq_len, device)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
     saved, logits = saved_activation_bytes(raw, x, y, plan)
@@ -553,7 +557,7 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     p, g = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params)
     o = tensor_bytes(optimizer_state_tensors(optimizers))
     est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type,
-                                                activation_checkpointing=ckpt)
+                                                activation_checkpointing=ckpt, loss_impl=loss)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  ({OPTIMIZER_STATE[optimizer]})",
@@ -589,12 +593,13 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     else:
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
     for d in (torch.float32, torch.bfloat16):
-        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d, activation_checkpointing=ckpt)
+        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d, activation_checkpointing=ckpt,
+                                          loss_impl=loss)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
     parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer,
-                                    ckpt)
+                                    ckpt, loss_impl=loss)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) +
                  f"; total {fmt_bytes(sum(parts.values()))}")
@@ -609,7 +614,7 @@ GPUS = [("T4 16 GB", 15.0, torch.float16), ("24 GB", 22.5, torch.bfloat16), ("A1
 OPTIMIZER_STATE = {"adamw": "AdamW exp_avg + exp_avg_sq",
                    "muon": "Muon: one momentum buffer per block matrix; AdamW's two on the rest"}
 FIT_MODES = [  # (column, world_size, fsdp, loss_impl, activation_checkpointing)
-    ("1 GPU, full loss", 1, False, "full", "none"),
+    ("1 GPU, full loss compiled", 1, False, "full", "none"),
     ("1 GPU", 1, False, "chunked", "none"),
     ("1 GPU, ckpt every_other", 1, False, "chunked", "every_other"),
     ("1 GPU, ckpt blocks", 1, False, "chunked", "blocks"),
@@ -629,9 +634,9 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
         for gpu, gib, dtype in GPUS:
             cells = []
             for _, world, fsdp, loss, ckpt in FIT_MODES:
-                config = GPTConfig(vocab_size=50304, loss_impl=loss, **SIZES[size])
+                config = GPTConfig(vocab_size=50304, **SIZES[size])
                 b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp,
-                                          optimizer=optimizer, activation_checkpointing=ckpt)
+                                          optimizer=optimizer, activation_checkpointing=ckpt, loss_impl=loss)
                 cells.append(str(b) if b else "-")
             n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
             lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")
@@ -659,12 +664,12 @@ def parse_args(argv):
     p.add_argument("--compile", action="store_true",
                    help="run the torch.compile rung even where the plan says off (CPU)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, CPU unless --device says otherwise")
-    p.add_argument("--core", action="store_true", help="the core rungs only (fp32 ... +chunked loss), no options")
+    p.add_argument("--core", action="store_true", help="the core rungs only (fp32 ... +loss head), no options")
     p.add_argument("--json", default=None, metavar="OUT", help="write the ladder rows as JSON (after every rung)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
-    p.add_argument("--loss_impl", default="chunked", choices=("chunked", "full"),
-                   help="the loss (--memory, --find_batch)")
+    p.add_argument("--loss_impl", default="auto", choices=("auto", "chunked", "full"),
+                   help="the loss head (--memory, --find_batch): auto = the trainer's choice")
     p.add_argument("--activation_checkpointing", default="none", choices=("none", "blocks", "every_other"),
                    help="recompute blocks in backward (--memory, --find_batch)")
     p.add_argument("--world_size", type=int, default=1, help="ranks to compute the per-rank memory for (--memory)")
@@ -733,8 +738,8 @@ def run(args):
         return 0
     if args.fit:
         print(f"largest micro-batch at seq_len {args.seq_len} within {1 - args.headroom:.0%} of the GPU's memory, "
-              f"computed by training_bytes_estimate (eager, vocab 50304; fp16 on the T4, bf16 elsewhere; "
-              f"optimizer {args.optimizer})\n")
+              "computed by training_bytes_estimate (the full loss compiled, the rest eager; vocab 50304; fp16 on "
+              f"the T4, bf16 elsewhere; optimizer {args.optimizer})\n")
         print("\n".join(fit_table(args.seq_len, args.headroom, optimizer=args.optimizer)))
         return 0
     if args.ddp:
@@ -742,11 +747,13 @@ def run(args):
     if args.find_batch:
         settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=device_type == "cuda", loss=args.loss_impl,
                         ckpt=args.activation_checkpointing)
-        raw, _, optimizers = build(settings, args.model, args.seq_len, args.device, device_type, args.optimizer)
+        raw, _, optimizers = build(settings, args.model, args.micro_batch_size, args.seq_len,
+                                   dataclasses.replace(plan, compile=False), args.optimizer)  # the finder compiles
         precision.set_tf32(plan.tf32)
         try:
             b, reason, _ = auto_micro_batch(raw, optimizers, args.seq_len, args.total_batch_size, 1, args.device, plan,
-                                            default=args.micro_batch_size, headroom=args.headroom)
+                                            default=args.micro_batch_size, headroom=args.headroom,
+                                            loss_impl=args.loss_impl)
         except ValueError as e:
             raise UserError(str(e)) from None
         print(f"{header(args, steps=False)}\n{reason}")

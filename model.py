@@ -8,13 +8,13 @@ The GPT-2 model, in one file.
     _, loss = model(idx, targets)                  # the chunked cross-entropy: the loss, no logits
     model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
 
-GPTConfig(loss_impl="full") returns the logits with the loss (F.cross_entropy); the default chunked
-loss never builds them. GPTConfig is the architecture a checkpoint saves; how a run executes the model
-is set apart from it (GPT(config, activation_checkpointing="blocks") or model.set_runtime(...)):
-activation_checkpointing="blocks" or "every_other" recomputes those blocks in backward instead of keeping
-their activations, ce_chunk_rows is the chunked loss's rows of logits at a time.
+GPTConfig is the architecture a checkpoint saves; how a run executes the model is set apart from it
+(GPT(config, loss_impl="full") or model.set_runtime(...)): loss_impl="full" returns the logits with the
+loss (F.cross_entropy, fused into the graph when compiled), the default "chunked" never builds them
+(ce_chunk_rows rows of logits at a time); activation_checkpointing="blocks" or "every_other" recomputes
+those blocks in backward instead of keeping their activations.
 
-Also here: FLOPs per token (gpt2train/precision.py has the MFU). The chunked loss is gpt2train/loss.py's.
+Also here: FLOPs per token (gpt2train/precision.py has the MFU). The loss head is gpt2train/loss.py's.
 From the command line:
 
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt2train.checkpoint import newest_checkpoint, read_checkpoint
 from gpt2train.fileio import UserError, fail, replacing_dir
-from gpt2train.loss import CE_CHUNK_ROWS, chunk_loss, chunked_cross_entropy
+from gpt2train.loss import CE_CHUNK_ROWS, LOSS_IMPLS, loss_head
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
 
@@ -57,11 +57,10 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
-    loss_impl: str = "chunked"  # with targets: "chunked" (loss only, no (B, T, V) logits) or "full" (logits too)
 
 
 CHECKPOINTING = ("none", "blocks", "every_other")  # activation checkpointing: no block, all, blocks 0, 2, 4, ...
-RUNTIME_KEYS = ("activation_checkpointing", "ce_chunk_rows")  # run-time settings: older checkpoints' model_args
+RUNTIME_KEYS = ("activation_checkpointing", "ce_chunk_rows", "loss_impl")  # run-time: older checkpoints' model_args
 
 
 # the four OpenAI checkpoints
@@ -137,10 +136,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
 
-    def __init__(self, config, activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
+    def __init__(self, config, activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked"):
         super().__init__()
         self.config = config
-        self.set_runtime(activation_checkpointing, ce_chunk_rows)
+        self.set_runtime(activation_checkpointing, ce_chunk_rows, loss_impl)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -150,7 +149,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
-        self.loss_body = None  # the chunked loss's per-chunk body: eager, or compiled by compile_loss_head
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -172,10 +170,10 @@ class GPT(nn.Module):
                 block.mlp.c_proj.weight.zero_()
         return self
 
-    def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None):
+    def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None, loss_impl=None):
         """How this run executes the model, never part of its config or a checkpoint: the blocks recomputed in
-        backward (CHECKPOINTING) and the chunked loss's rows of logits at a time. None keeps the value. Set
-        before torch.compile: the compiled graph guards on both."""
+        backward (CHECKPOINTING), the chunked loss's rows of logits at a time and the loss head (LOSS_IMPLS).
+        None keeps the value. Set before torch.compile: the compiled graph guards on them."""
         if activation_checkpointing is not None:
             if activation_checkpointing not in CHECKPOINTING:
                 raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
@@ -185,6 +183,10 @@ class GPT(nn.Module):
             if type(ce_chunk_rows) is not int or ce_chunk_rows < 1:
                 raise ValueError(f"ce_chunk_rows must be a positive integer, got {ce_chunk_rows!r}")
             self.ce_chunk_rows = ce_chunk_rows
+        if loss_impl is not None:
+            if loss_impl not in LOSS_IMPLS:
+                raise ValueError(f"loss_impl={loss_impl!r} is not one of {', '.join(LOSS_IMPLS)}")
+            self.loss_impl = loss_impl
         return self
 
     def hidden_states(self, idx, pos=None, attn_mask=None):
@@ -211,24 +213,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, pos=None, attn_mask=None):
         """(logits (B, T, vocab_size), None) without targets. With targets, the mean cross-entropy
-        (targets of -1 are masked out): loss_impl="chunked" returns (None, loss) and never builds the
-        full logits (see chunked_cross_entropy); "full" returns (logits, loss) from F.cross_entropy.
+        (targets of -1 are masked out), from gpt2train/loss.py's loss_head: loss_impl="chunked" returns
+        (None, loss) and never builds the full logits; "full" returns (logits, loss) from F.cross_entropy.
         pos and attn_mask are for packed sequences (see hidden_states): a compiled model takes them here."""
         h = self.hidden_states(idx, pos, attn_mask)  # (B, T, C)
-        if targets is not None and self.config.loss_impl == "chunked":
-            return None, chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               self.ce_chunk_rows, self.loss_body)
-        logits = self.lm_head(h)  # (B, T, vocab_size)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
-
-    def compile_loss_head(self, backend="inductor"):
-        """Compile chunk_loss, the chunked loss's per-chunk body (outside the model's graph: see chunked loss
-        below); backend None puts it back to eager."""
-        self.loss_body = None if backend is None else torch.compile(chunk_loss, dynamic=False, fullgraph=True,
-                                                                    backend=backend)
+        if targets is None:
+            return self.lm_head(h), None  # (B, T, vocab_size)
+        return loss_head(h, self.lm_head.weight, targets, self.loss_impl, self.ce_chunk_rows)
 
     def num_params(self, non_embedding=True):
         """Parameter count; by default without the position embeddings (a lookup, no FLOPs).
@@ -360,7 +351,7 @@ def check_config(config, state_dict):
         raise ValueError(f"model_args {sizes} must be positive integers")
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
-    modes = {"attn_impl": ("sdpa", "naive"), "loss_impl": ("chunked", "full")}
+    modes = {"attn_impl": ("sdpa", "naive")}
     for k, allowed in modes.items():
         if getattr(config, k) not in allowed:
             raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")

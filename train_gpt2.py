@@ -103,6 +103,8 @@ def main(argv):
                   "as they were)", file=sys.stderr)
         return 128 + signum
     finally:
+        if run is not None and run.watch is not None:
+            run.watch.close()
         lock.release()
         distributed.teardown()
         for sig, handler in handlers.items():
@@ -133,6 +135,7 @@ class Run:
     guard_state: dict  # the skip guard's history, from the checkpoint
     hellaswag: tuple  # (the hellaswag module, its examples) or None
     started: float  # time.time() at start-up: time_limit counts from here
+    watch: object  # precision.CompileWatch when the plan compiles: a graph that runs eagerly is said, never silent
 
     @property
     def B(self):  # micro-batch rows per rank, as chosen (memory.choose_micro_batch): its one home is cfg
@@ -193,14 +196,17 @@ def setup(cfg, given, env, say, lock):
     B, T, why, timed = memory.choose_micro_batch(
         raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size, env.world_size,
         fit="micro_batch_size" not in given, shrink_seq="seq_len" not in given and ckpt is None,
-        optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size)  # (auto off CUDA: the default)
+        optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size,  # (auto off CUDA: the default)
+        loss_impl=cfg.loss_impl)
     if why:
         say(why)
-    memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
+    loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)  # before compile: it is in the graph
 
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus), checked for B x T; compile, DDP
     data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env), env, startup)
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
+    if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # the compiler failed: eager from here
+        loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)
     train_loader, val_loader = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
@@ -211,7 +217,7 @@ def setup(cfg, given, env, say, lock):
                    out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
                    **({"data_source": "fineweb"} if cfg.data else {}),  # --data's cache: fineweb.py's shards
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
-                   micro_batch_size=B, seq_len=T)
+                   micro_batch_size=B, seq_len=T, loss_impl=loss_impl)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
     return Run(cfg=resolved, env=env, plan=plan, grad_accum=resolved.total_batch_size // (B * T * env.world_size),
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
@@ -219,7 +225,8 @@ def setup(cfg, given, env, say, lock):
                train_loader=train_loader, val_loader=val_loader, data_dir=data_dir,
                start_step=ckpt["step"] if ckpt else 0, evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
-               hellaswag=load_hellaswag(resolved, env, startup), started=started)
+               hellaswag=load_hellaswag(resolved, env, startup), started=started,
+               watch=precision.CompileWatch() if plan.compile else None)
 
 
 def resume_point(cfg, given, env, device, lock, say):
@@ -322,6 +329,16 @@ def make_loaders(cfg, data_dir, B, T, env, vocab_size, say):
     return train_loader, val_loader
 
 
+def choose_loss_head(raw_model, plan, cfg, B, T, env, say):
+    """THE loss head (memory.choose_loss_impl: full logits in the compiled graph where they fit, else chunked) and
+    its chunk rows, set on the model for this device and B x T, never a checkpoint's. Returns the loss_impl."""
+    loss_impl, why = memory.choose_loss_impl(raw_model, plan, cfg.loss_impl, B, T, env.world_size, cfg.optimizer)
+    if why:
+        say(why)
+    memory.set_loss_head(raw_model, plan, B, T, loss_impl)
+    return loss_impl
+
+
 def compile_and_wrap(raw_model, timed, B, T, plan, env, fsdp, say):
     """(the model evals run, the model that trains, the plan as it ran): compiled when the plan says so
     (timed: already compiled by the micro-batch finder), wrapped in DDP under torchrun (not FSDP: it
@@ -411,6 +428,7 @@ def train(run, argv, say):
         finite = math.isfinite(loss) and math.isfinite(norm)
         why = "" if applied else "inf/nan loss or gradients" if not finite else "outlier"
         log_step(run, step, loss, optim.lrs(run.optimizers), norm, why, dt, progress, say, runlog)
+        compile_notes(run, step, say, runlog)
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
         if guard.update(loss, norm, applied):
             raise Diverged(f"the run diverged: {guard.in_a_row} optimizer steps in a row were skipped ({why}), "
@@ -492,11 +510,18 @@ def log_step(run, step, loss, lrs, norm, why, dt, progress, say, runlog):
         return
     if step == run.start_step:
         say(memory.memory_summary(run.raw_model, run.optimizers, run.plan.device, micro_batch=run.B, seq_len=run.T,
-                                  dtype=run.plan.dtype))
+                                  dtype=run.plan.dtype, compiled=run.plan.compile))
     runlog.write({"step": step, "loss": loss, "lr": lrs[0], **({"muon_lr": lrs[1]} if len(lrs) > 1 else {}),
                   "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},
                  mfu=mfu, **logger.memory_stats(run.plan.device))
+
+def compile_notes(run, step, say, runlog):
+    """No silent eager: a compiled graph that ran eagerly since the last step (precision.CompileWatch) is one
+    warning line, and a "compile" row in log.jsonl."""
+    for line in run.watch.check() if run.watch else ():
+        say(line)
+        runlog and runlog.write({"step": step, "compile": line})
 
 # -----------------------------------------------------------------------------
 # periodic work: evaluation, HellaSwag, samples, checkpoints

@@ -95,6 +95,7 @@ class Config:
     # memory: for models that do not fit (see bench/README.md for what fits where)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
     activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
+    loss_impl: str = "auto"  # loss head: auto = full logits where compiled and they fit, else chunked; full, chunked
 
 
 CHOICES = {
@@ -105,6 +106,7 @@ CHOICES = {
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
     "activation_checkpointing": ("none", "blocks", "every_other"),
+    "loss_impl": ("auto", "full", "chunked"),
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -1,11 +1,16 @@
 """
-The chunked cross-entropy: GPT-2's loss without the (B*T, vocab) logits and log-softmax, and its sizing.
+GPT-2's loss head, the one function model.py calls: lm_head's logits and their cross-entropy, in one of two ways.
 
-    from gpt2train.loss import chunked_cross_entropy, loss_chunk_rows
-    rows = loss_chunk_rows(B * T, vocab_size, budget_bytes, dtype)      # rows of logits a chunk holds
-    loss = chunked_cross_entropy(h, lm_head.weight, targets, rows)     # = F.cross_entropy(h @ W.T, targets)
+    from gpt2train.loss import loss_head, loss_chunk_rows
+    logits, loss = loss_head(h, lm_head.weight, targets, "full")           # inside the compiled model's graph
+    _, loss = loss_head(h, lm_head.weight, targets, "chunked", rows)       # never the (B*T, V) logits
 
-model.py's GPT.forward calls it; memory.py sizes it (loss_head_temp_bytes) without importing model.py.
+"full" is F.cross_entropy over the whole (B*T, V) logits: where the model is compiled, inductor fuses it into the
+model's one graph (no graph break; what autograd keeps is the logits in the compute dtype, ~2 bytes a logit).
+"chunked" is the memory fallback (plans that do not compile, micro-batches where the full logits do not fit): an
+eager loop over rows of logits, in place, by design outside any compiled graph (one graph break). Which one a run
+uses is memory.py's decision (memory.choose_loss_impl); loss_chunk_rows sizes the chunks; memory.py counts both
+heads' bytes (loss_head_temp_bytes) without importing model.py.
 """
 import functools
 
@@ -13,18 +18,25 @@ import torch
 from torch.nn import functional as F
 
 CE_CHUNK_ROWS = 1024  # the default chunk: 1024 x 50304 fp32 logits = 197 MiB
+LOSS_IMPLS = ("full", "chunked")  # the loss head's two forms (the trainer's loss_impl adds "auto": memory.py's)
+
+
+def loss_head(h, weight, targets, impl="chunked", chunk_rows=CE_CHUNK_ROWS):
+    """(logits (B, T, V) or None, the mean cross-entropy) of h (B, T, C) against targets (B, T), -1 ignored,
+    through weight (V, C): impl "full" (the logits too) or "chunked" (chunk_rows rows of logits at a time)."""
+    if impl == "chunked":  # (the graph ends at h: the call breaks it, by design)
+        return None, chunked_cross_entropy(h, weight, targets, chunk_rows)
+    logits = F.linear(h, weight)  # (B, T, V)
+    return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 # -----------------------------------------------------------------------------
 # chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
 #
-# The chunk loop is kept out of torch.compile (torch.compiler.disable, one graph break): traced, it was
-# unrolled into the graph, and inductor's compile time grew with the chunk count (tiny model, CPU,
-# 64x1024: 28.8 s at 1 chunk, 110.8 s at 64). When the model is compiled, the per-chunk body (chunk_loss:
-# the logits matmul, softmax, loss and dL/dlogits) is compiled on its own, one small graph reused by every
-# chunk of a size, so the (n, V) logits are read in one fused pass instead of ~10 (bench/loss_head_traffic.py).
-# Not a torch.library custom op (one graph, but a dispatch mode such as bench.LiveTensors no longer
-# sees its temporaries); not F.linear_cross_entropy (torch 2.13 has it, older supported ones do not;
-# it too runs eager under compile).
+# Eager by design: the chunk loop is kept out of torch.compile (torch.compiler.disable, one graph break), each
+# chunk computed in place over one fp32 buffer. Traced, the loop unrolled into the graph and inductor's compile
+# time grew with the chunk count (tiny model, CPU, 64x1024: 28.8 s at 1 chunk, 110.8 s at 64); a per-chunk body
+# compiled on its own and called from this disabled region ran op by op on a GPU under torch 2.11 (71 bytes a
+# logit instead of 11, +15 GiB: dev/ records it). Where the model compiles and the logits fit, "full" is faster.
 
 def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
     """Bytes one chunk of the chunked loss holds at once: its (rows, V) fp32 logits/probabilities
@@ -89,34 +101,33 @@ def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.flo
     return chunk + (cast + product) * vocab_size * n_embd + n_rows * n_embd * 4
 
 
+def full_head_bytes(n_rows, vocab_size, dtype=torch.float32, compiled=False):
+    """(bytes the full head keeps for backward, bytes its backward allocates on top) for n_rows = B*T rows of
+    vocab_size logits, lm_head's input and the returned logits not counted. Eager F.cross_entropy under autocast
+    keeps an fp32 (N, V) log-softmax, and its backward allocates two fp32 (N, V) gradients and the dL/dlogits in
+    the compute dtype. Compiled (inductor fuses the softmax into its reductions) it keeps a log-sum-exp per row
+    beside the logits, and its backward writes only dL/dlogits in the compute dtype (H200, 64 x 1024: +11.9 GiB)."""
+    a = torch.finfo(dtype).bits // 8
+    if compiled:
+        return n_rows * 4, n_rows * vocab_size * a
+    return n_rows * vocab_size * 4, n_rows * vocab_size * (8 + (a if a == 2 else 0))
+
+
 @torch.compiler.disable
-def chunked_cross_entropy(h, weight, targets, chunk_rows=1024, body=None):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (N, C), weight (V, C), targets (N,),
+def chunked_cross_entropy(h, weight, targets, chunk_rows=CE_CHUNK_ROWS):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (..., C), weight (V, C), targets (...),
     chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run in the autocast dtype
-    (else weight's), the softmax in fp32, as autocast would run the unchunked version. body: chunk_loss
-    compiled (GPT.compile_loss_head), run for each chunk when gradients are recorded; None: eager."""
+    (else weight's), the softmax in fp32, as autocast would run the unchunked version; eager, in place."""
+    h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)  # (N, C), (N,)
     device_type = h.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad, body)
+    return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad)
 
 
-def chunk_loss(hc, w, tgt, keep):
+def chunk_loss(hc, w, tgt, keep, need_grad=True):
     """One chunk's (summed loss, n_valid * dL/dlogits in hc's dtype) for hc (n, C), w (V, C), tgt (n, 1) and
-    keep (n,) bool: the body torch.compile turns into a matmul and one fused pass over the (n, V) logits."""
-    logits = (hc @ w.t()).float()  # (n, V)
-    top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
-    exp = (logits - top).exp()  # (n, V)
-    total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
-    loss_sum = ((top + total.log() - logits.gather(1, tgt)).squeeze(1) * keep).sum()  # logsumexp - target logit
-    onehot = torch.arange(logits.size(1), device=logits.device) == tgt  # (n, V)
-    dlogits = exp * (keep[:, None] / total) - (onehot & keep[:, None]).float()  # softmax - one-hot; ignored rows 0
-    return loss_sum, dlogits.to(hc.dtype)  # (), (n, V)
-
-
-def chunk_loss_eager(hc, w, tgt, keep, need_grad=True):
-    """chunk_loss in place over one fp32 (n, V) buffer (the eager memory: loss_chunk_bytes); dlogits None
-    without need_grad."""
+    keep (n,) bool, in place over one fp32 (n, V) buffer (loss_chunk_bytes); dlogits None without need_grad."""
     logits = (hc @ w.t()).float()  # (n, V)
     target_logit = logits.gather(1, tgt)  # (n, 1)
     top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
@@ -131,15 +142,6 @@ def chunk_loss_eager(hc, w, tgt, keep, need_grad=True):
     return loss_sum, exp.to(hc.dtype)  # (n, V) n_valid * dL/dlogits, in the compute dtype
 
 
-def padded(rows, hc, tgt, keep):
-    """(hc, tgt, keep) grown to rows rows, the new ones ignored (zero dL/dlogits, no loss): a short last chunk
-    reuses the compiled graph of the full ones instead of compiling another."""
-    pad = rows - hc.size(0)
-    if pad == 0:
-        return hc, tgt, keep
-    return F.pad(hc, (0, 0, 0, pad)), F.pad(tgt, (0, 0, 0, pad)), F.pad(keep, (0, pad))  # (rows, C), (rows, 1), (rows,)
-
-
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
     logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into that chunk's
@@ -149,12 +151,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad, body=None):
+    def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad):
         N = h.size(0)
         fp32_out = dtype != torch.float32 and fp32_out_matmul(h.device, dtype)  # probed once per process
         rows = min(N, chunk_rows, FP16_CHUNK_ROWS if fp16_capped(dtype, h.device) else chunk_rows)
         with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
-            h = h.detach()  # its slices would say requires_grad (views), the padded chunk not: one graph for both
+            h = h.detach()
             w = weight.detach().to(dtype)  # (V, C)
             valid = targets != -1  # (N,)
             n_valid = valid.sum().float()
@@ -164,12 +166,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             for i in range(0, N, rows):
                 hc, keep = h[i:i + rows].to(dtype), valid[i:i + rows]  # (n, C), (n,)
                 tgt = targets[i:i + rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
-                if need_grad and body is not None:  # compiled: one graph, every chunk of this size
-                    hp, tp, kp = padded(rows, hc, tgt, keep)  # (rows, C), (rows, 1), (rows,)
-                    loss_sum, dlogits = body(hp, w, tp, kp)
-                    dlogits = dlogits[:hc.size(0)]  # (n, V); a short last chunk's padding rows dropped
-                else:
-                    loss_sum, dlogits = chunk_loss_eager(hc, w, tgt, keep, need_grad)
+                loss_sum, dlogits = chunk_loss(hc, w, tgt, keep, need_grad)
                 loss += loss_sum
                 if need_grad:
                     if dtype == h.dtype:
@@ -192,4 +189,4 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w, n_valid = ctx.saved_tensors
         scale = grad_loss / n_valid  # (): one pass over each gradient for the mean and the incoming gradient
-        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None
+        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None

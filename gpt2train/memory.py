@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from gpt2train.distributed import agree
 from gpt2train.fileio import UserError
-from gpt2train.loss import CE_CHUNK_ROWS, loss_chunk_rows, loss_head_temp_bytes
+from gpt2train.loss import CE_CHUNK_ROWS, full_head_bytes, loss_chunk_rows, loss_head_temp_bytes
 from gpt2train.optim import train_step
 from gpt2train.precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize
 
@@ -59,7 +59,7 @@ def checkpointed_layers(n_layer, activation_checkpointing):
 
 
 def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", fsdp=False,
-                              activation_checkpointing="none"):
+                              activation_checkpointing="none", loss_impl="chunked", compiled=False):
     """Arithmetic estimate of what one forward of our GPT leaves alive for backward, in bytes, and the
     logits it returns. Per layer it saves, in the autocast dtype (a bytes/element):
     ln_1 and ln_2 outputs, qkv (3), attention output, c_fc output (4) and GELU output (4) = 14 BTC,
@@ -68,8 +68,9 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     and the (T, T) mask; under CUDA autocast softmax runs in fp32 and att @ v keeps a second, bf16
     copy (6 bytes per element, more than fp32's 4), CPU autocast keeps one bf16 copy. A checkpointed
     layer keeps only its fp32 input (BTC). The head keeps ln_f's input and statistics and the position
-    ids, and then either (loss_impl="full") lm_head's input, cross-entropy's fp32 log-softmax (B, T, V)
-    and the logits it returns, or (chunked) dL/dh (BTC, fp32), dL/dlm_head (V x C, fp32) and n_valid (fp32).
+    ids, and then either (loss_impl="full") lm_head's input, what cross-entropy keeps (loss.full_head_bytes:
+    eager an fp32 (B, T, V) log-softmax, compiled a log-sum-exp per row) and the logits it returns, or
+    (chunked) dL/dh (BTC, fp32), dL/dlm_head (V x C, fp32) and n_valid (fp32).
     Autocast also keeps a copy of every matmul weight of the layers that are not checkpointed (and of
     lm_head for the full loss), except under FSDP on CUDA, where the blocks' weights are gathered in
     the autocast dtype already and freed after the forward. The batch (idx, targets) is the caller's,
@@ -84,9 +85,10 @@ def activation_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32,
     n_ckpt = checkpointed_layers(L, activation_checkpointing)
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
-    full = config.loss_impl == "full"
-    # + total_weight | dL/dh, dL/dW, n_valid
-    head += B * T * C * a + B * T * V * 4 + 4 if full else B * T * C * 4 + V * C * 4 + 4
+    full = loss_impl == "full"
+    # lm_head's input, what cross-entropy keeps, its total_weight | dL/dh, dL/dW, n_valid
+    head += B * T * C * a + full_head_bytes(B * T, V, dtype, compiled)[0] + 4 if full else \
+        B * T * C * 4 + V * C * 4 + 4
     # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
     block_copies = 0 if fsdp and device_type == "cuda" else (L - n_ckpt) * 12 * C * C
     weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
@@ -102,7 +104,7 @@ def param_counts(config):
 
 def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, device_type="cuda", world_size=1,
                             fsdp=False, optimizer="adamw", activation_checkpointing="none",
-                            ce_chunk_rows=CE_CHUNK_ROWS):
+                            ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked", compiled=False):
     """Bytes one rank needs for a training step, by part (a dict), computed from the shapes for the
     eager model (torch.compile fuses some activations away). Meant to be safe for "does it fit": it
     counts all the gradients as alive together with all the activations and adds the largest
@@ -112,15 +114,14 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
     gradients, world_size > 1 without FSDP); under FSDP the gathered root (fp32, with its unsharded
     gradient) and two blocks in the compute dtype (the one running and the one prefetched) plus one
     block's unsharded gradient; activations and logits (activation_bytes_estimate); the largest
-    temporary: the loss's (full: two (B*T, V) fp32 gradients; chunked: one chunk of fp32 logits and
+    temporary: the loss's (full: loss.full_head_bytes, compiled or not; chunked: one chunk of fp32 logits and
     a (V, C) product) or a block's in backward (its recomputed activations when checkpointed, and
     about 8 x B*T*C fp32 of gradients flowing through it). Gradients and activations do meet from
     the second micro-step of an accumulating step on. On CPU it lies 7-110% above the measured peak
-    of forward + backward (step_peak_bytes, tests/test_bench.py). activation_checkpointing and ce_chunk_rows:
-    the run's settings of the model (GPT.set_runtime)."""
+    of forward + backward (step_peak_bytes, tests/test_bench.py). activation_checkpointing, ce_chunk_rows and
+    loss_impl: the run's settings of the model (GPT.set_runtime); compiled: the model runs torch.compile'd."""
     n, block = param_counts(config)
     B, T, C, V, L = micro_batch, seq_len, config.n_embd, config.vocab_size, config.n_layer
-    a = 4 if dtype == torch.float32 else 2
     shard = world_size if fsdp else 1
     muon = L * 12 * C * C if optimizer == "muon" else 0  # the blocks' matrices (12CC a block): one buffer, not two
     parts = {"parameters": 4 * n // shard, "gradients": 4 * n // shard, "optimizer state": (8 * n - 4 * muon) // shard,
@@ -129,9 +130,9 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
         p = torch.finfo(fsdp_param_dtype(dtype, device_type)).bits // 8
         parts["FSDP gathered"] = 2 * 4 * (n - L * block) + 3 * p * block
     parts["activations"], parts["logits"] = activation_bytes_estimate(config, B, T, dtype, device_type, fsdp,
-                                                                      activation_checkpointing)
-    if config.loss_impl == "full":
-        head = B * T * V * (8 + (a if a == 2 else 0))
+                                                                      activation_checkpointing, loss_impl, compiled)
+    if loss_impl == "full":
+        head = full_head_bytes(B * T, V, dtype, compiled)[1]
     else:
         head = loss_head_temp_bytes(B * T, V, C, ce_chunk_rows, dtype, device_type)
     per_layer = activation_bytes_estimate(dataclasses.replace(config, n_layer=1), B, T, dtype, device_type)[0] - \
@@ -142,11 +143,13 @@ def training_bytes_estimate(config, micro_batch, seq_len, dtype=torch.float32, d
 
 
 def estimated_micro_batch(config, seq_len, dtype, budget, device_type="cuda", world_size=1, fsdp=False, limit=4096,
-                          optimizer="adamw", activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
-    """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does)."""
+                          optimizer="adamw", activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS,
+                          loss_impl="chunked"):
+    """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0 if none does); a full loss
+    head counted compiled (the plans that fit a GPU's memory compile)."""
     def fits(b):
         parts = training_bytes_estimate(config, b, seq_len, dtype, device_type, world_size, fsdp, optimizer,
-                                        activation_checkpointing, ce_chunk_rows)
+                                        activation_checkpointing, ce_chunk_rows, loss_impl, loss_impl == "full")
         return sum(parts.values()) <= budget
     lo, hi = 0, limit
     while lo < hi:  # the estimate grows with the micro-batch: bisect
@@ -159,7 +162,7 @@ def is_sharded(model):
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dtype=torch.float32):
+def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dtype=torch.float32, compiled=False):
     """One line for the trainer after its first step: parameter, gradient and optimizer-state bytes
     (from the tensors, so on every device; this rank's shards under FSDP), activations (an estimate
     for the model's loss and checkpointing modes when micro_batch and seq_len are given), and on
@@ -180,9 +183,9 @@ def memory_summary(model, optimizers, device, micro_batch=None, seq_len=None, dt
         parts[0] = f"per rank (FSDP over {dist.get_world_size()}): " + parts[0]
     if micro_batch and seq_len:
         act, logits = activation_bytes_estimate(model.config, micro_batch, seq_len, dtype, device_type, sharded,
-                                                model.activation_checkpointing)
+                                                model.activation_checkpointing, model.loss_impl, compiled)
         parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
-                     f"{model.config.loss_impl} loss, checkpointing {model.activation_checkpointing})")
+                     f"{model.loss_impl} loss, checkpointing {model.activation_checkpointing})")
     if device_type == "cuda":
         alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
@@ -225,31 +228,53 @@ def loss_chunk(plan, rows, vocab_size):
     return loss_chunk_rows(rows, vocab_size, int(LOSS_CHUNK_SHARE * plan.memory), plan.dtype, plan.device)
 
 
-def set_loss_chunk(model, plan, micro_batch, seq_len):
-    """The model's loss-chunk rows for this device and micro-batch, set before compile (the value is in the compiled
-    graph's guards: the finder times each size with the value training will use, so no graph is built twice)."""
-    model.set_runtime(ce_chunk_rows=loss_chunk(plan, micro_batch * seq_len, model.config.vocab_size))
+def choose_loss_impl(model, plan, asked, micro_batch, seq_len, world_size=1, optimizer="adamw"):
+    """(THE loss head of a run at this micro-batch, why: a line for the log): asked "full" or "chunked" is kept;
+    "auto" is "full" (the logits inside the compiled graph: inductor's fused cross-entropy, the fastest head)
+    where the plan compiles and the compiled full head's training_bytes_estimate fits the device (1 -
+    FIT_HEADROOM of the GPU; the free RAM on CPU), else "chunked" (eager, in place: the memory fallback)."""
+    if asked != "auto":
+        return asked, ""
+    if not plan.compile:
+        return "chunked", "loss_impl=chunked: the plan does not compile (eager full logits keep ~4 more bytes a logit)"
+    need = sum(training_bytes_estimate(model.config, micro_batch, seq_len, plan.dtype, plan.device_type, world_size,
+                                       is_sharded(model), optimizer, model.activation_checkpointing,
+                                       loss_impl="full", compiled=True).values())
+    room = (1 - FIT_HEADROOM) * plan.memory if plan.device_type == "cuda" and plan.memory else available_ram()
+    if room is None or need <= room:
+        where = f" of {fmt_bytes(room)}" if room else ""
+        return "full", f"loss_impl=full: the logits inside the compiled graph (~{fmt_bytes(need)} estimated{where})"
+    return "chunked", (f"loss_impl=chunked: full logits at {micro_batch} x {seq_len} need ~{fmt_bytes(need)}, over "
+                       f"{fmt_bytes(room)} (a smaller --micro_batch_size lets them fit)")
+
+
+def set_loss_head(model, plan, micro_batch, seq_len, loss_impl):
+    """The model's loss head and its chunk rows for this device and micro-batch, set before compile (both are in the
+    compiled graph's guards: the finder times each size with what training will run, so no graph is built twice)."""
+    model.set_runtime(ce_chunk_rows=loss_chunk(plan, micro_batch * seq_len, model.config.vocab_size),
+                      loss_impl=loss_impl)
 
 
 def training_bytes(config, micro_batch, seq_len, dtype, world_size=1, optimizer="adamw",
-                   activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
-    """training_bytes_estimate's total on CUDA."""
+                   activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked"):
+    """training_bytes_estimate's total on CUDA (a full loss head counted compiled: the plans that fit compile)."""
     return sum(training_bytes_estimate(config, micro_batch, seq_len, dtype, "cuda", world_size, False, optimizer,
-                                       activation_checkpointing, ce_chunk_rows).values())
+                                       activation_checkpointing, ce_chunk_rows, loss_impl,
+                                       compiled=loss_impl == "full").values())
 
 
 def fit_micro_batch(config, memory_bytes, seq_len, total_batch_size, world_size=1, dtype=torch.float16,
                     shrink_seq=True, headroom=FIT_HEADROOM, optimizer="adamw", plan=None,
-                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
+                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked"):
     """For GPUs that start small (sm7x: 8-32 GB): the largest micro-batch whose training step fits in
     memory_bytes by training_bytes_estimate (which counts the loss and checkpointing modes),
     within 1 - headroom, among those that keep total_batch_size by accumulation. The micro-batch
     shrinks first; seq_len is halved only when not even one sequence of it fits (and shrink_seq
     allows). plan: the device whose loss-chunk rows each candidate counts (loss_chunk); None: ce_chunk_rows.
-    Returns (micro_batch, seq_len, reason)."""
+    loss_impl: the head each candidate is weighed with (full: compiled). Returns (micro_batch, seq_len, reason)."""
     chunk = (lambda b, t: loss_chunk(plan, b * t, config.vocab_size)) if plan else lambda b, t: ce_chunk_rows  # noqa: E731
     need = lambda b, t: training_bytes(config, b, t, dtype, world_size, optimizer,  # noqa: E731
-                                       activation_checkpointing, chunk(b, t))
+                                       activation_checkpointing, chunk(b, t), loss_impl)
     budget = (1 - headroom) * memory_bytes
     T = seq_len
     while True:
@@ -371,25 +396,27 @@ def probe_steps(model, optimizers, micro_batch, seq_len, device, plan, steps):
 
 
 def micro_batch_cap(config, seq_len, dtype, budget, world_size=1, fsdp=False, slack=4,
-                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS):
+                    activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked"):
     """The finder probes no micro-batch above slack x the largest that training_bytes_estimate fits in
     budget: the estimate is on the safe side (the measured peak is lower; torch.compile lowers it
     more), so the probes skip sizes that would only run out of memory. Returns (cap, note)."""
     est = estimated_micro_batch(config, seq_len, dtype, budget, "cuda", world_size, fsdp,
-                                activation_checkpointing=activation_checkpointing, ce_chunk_rows=ce_chunk_rows)
-    return slack * max(est, 1), (f"the estimate for {config.loss_impl} loss, checkpointing "
+                                activation_checkpointing=activation_checkpointing, ce_chunk_rows=ce_chunk_rows,
+                                loss_impl=loss_impl)
+    return slack * max(est, 1), (f"the estimate for {loss_impl} loss, checkpointing "
                                  f"{activation_checkpointing}{', FSDP' if fsdp else ''} fits {est}; "
                                  f"probed up to {slack * max(est, 1)}")
 
 
 def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, device, plan, default,
-                     max_micro_batch=None, headroom=0.1, warn=print):
+                     max_micro_batch=None, headroom=0.1, warn=print, loss_impl="auto"):
     """micro_batch_size="auto": on CUDA, probe the raw model (before torch.compile and DDP) and its
     optimizers with OOM-guarded steps at lr 0 (weights untouched, grads and optimizer state freed,
     cache emptied after every probe) for the largest micro-batches that fit, then time those with the
     model compiled by the plan (compiled once, at the largest size timed): eager steps misjudge the
     compiled model's speed and memory. Every DDP rank probes the same sizes (peak use is the maximum
     over ranks, speed the minimum) and the result is the minimum over ranks.
+    Each size runs the loss head training would run at it (choose_loss_impl from loss_impl, the asked one).
     Returns (micro_batch, reason, the model the sizes were timed with, or None when none was timed).
     On CPU/MPS returns (default, reason, None) without probing."""
     device_type = torch.device(device).type
@@ -407,7 +434,7 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
     widest = loss_chunk(plan, rows * seq_len, model.config.vocab_size)  # the device's largest chunk: a safe cap
     cap, note = micro_batch_cap(model.config, seq_len, plan.dtype, (1 - headroom) * capacity, world_size,
                                 is_sharded(model), activation_checkpointing=model.activation_checkpointing,
-                                ce_chunk_rows=widest)
+                                ce_chunk_rows=widest, loss_impl="full" if loss_impl == "full" else "chunked")
     max_micro_batch = cap if max_micro_batch is None else min(max_micro_batch, cap)
 
     def peak(step_model, b, steps):
@@ -415,7 +442,8 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
         inf when it ran out of memory; the maximum use and the longest step over the ranks."""
         free_memory(device_type)
         torch.cuda.reset_peak_memory_stats(device)
-        set_loss_chunk(model, plan, b, seq_len)  # as training will run b (step_model wraps model)
+        impl = choose_loss_impl(model, plan, loss_impl, b, seq_len, world_size)[0]
+        set_loss_head(model, plan, b, seq_len, impl)  # as training will run b (step_model wraps model)
         try:
             seconds = probe_steps(step_model, optimizers, b, seq_len, device, plan, steps)
             used = torch.cuda.max_memory_reserved(device) / capacity
@@ -449,28 +477,31 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
 
 
 def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batch_size, world_size=1, fit=True,
-                       shrink_seq=True, optimizer="adamw", warn=print, default=64):
+                       shrink_seq=True, optimizer="adamw", warn=print, default=64, loss_impl="auto"):
     """THE micro-batch (and on small GPUs the sequence length) of a run, decided once the model and its
     optimizers exist and before DDP wraps them: micro_batch="auto" probes the GPU (auto_micro_batch; off
     CUDA it takes default, the config's); otherwise,
     where the user did not set the micro-batch (fit), a CUDA plan fits it to memory by the estimate: the
     sm7x plans always (plan.fit_to_memory), the others when the configured one does not fit; seq_len is
     shortened only where not even 1 x seq_len fits and shrink_seq allows. Every size is weighed with the
-    device's loss-chunk rows (loss_chunk), never the model's own (a checkpoint's: another GPU's). Returns (B, T,
+    device's loss-chunk rows (loss_chunk), never the model's own (a checkpoint's: another GPU's), and the chunked
+    head unless loss_impl (the asked one) is "full" (then choose_loss_impl picks the head at B). Returns (B, T,
     why: a line for the log or "", the model the finder timed (compiled) or None)."""
     timed, config, mode = None, model.config, model.activation_checkpointing
+    head = "full" if loss_impl == "full" else "chunked"  # auto: sizes as chunked, full where it fits at the size
     if micro_batch == "auto":
         try:
             micro_batch, why, timed = auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size,
-                                                       plan.device, plan, default=default, warn=warn)
+                                                       plan.device, plan, default=default, warn=warn,
+                                                       loss_impl=loss_impl)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
     elif fit and plan.device_type == "cuda" and (plan.fit_to_memory or training_bytes(
             config, micro_batch, seq_len, plan.dtype, world_size, optimizer, mode,
-            loss_chunk(plan, micro_batch * seq_len, config.vocab_size)) > (1 - FIT_HEADROOM) * plan.memory):
+            loss_chunk(plan, micro_batch * seq_len, config.vocab_size), head) > (1 - FIT_HEADROOM) * plan.memory):
         micro_batch, seq_len, why = fit_micro_batch(config, plan.memory, seq_len, total_batch_size, world_size,
                                                     plan.dtype, shrink_seq, optimizer=optimizer, plan=plan,
-                                                    activation_checkpointing=mode)
+                                                    activation_checkpointing=mode, loss_impl=head)
         why += " (set micro_batch_size/seq_len to choose yourself)"
     else:
         why = ""

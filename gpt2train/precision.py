@@ -22,6 +22,7 @@ step is optim.py's; the memory estimate and the micro-batch finder are memory.py
 fileio only: every module may import it, it imports none of them.
 """
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -323,16 +324,74 @@ def use_compile_cache(folder):
         torch._functorch.config.enable_autograd_cache = True  # the backward's graph too
 
 
-def compile_model(model, plan, backend="inductor"):
+def compile_model(model, plan, backend="inductor", mode=None):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model itself
-    when the plan says no; the chunked loss's per-chunk body is compiled with it (GPT.compile_loss_head).
-    Compilation happens at the first call: see compiles()."""
+    when the plan says no. The loss head is in the model's graph (loss_impl=full) or, chunked, an eager
+    region by design. mode: torch.compile's (bench's max-autotune rung). Compilation happens at the first call:
+    see compiles()."""
     if not plan.compile:
         return model
-    if hasattr(model, "compile_loss_head"):  # the chunked loss runs outside the model's graph: its body on its own
-        model.compile_loss_head(backend)
-    return torch.compile(model, dynamic=False, backend=backend)
+    return torch.compile(model, dynamic=False, backend=backend, mode=mode)
+
+
+def root_error(e):
+    """The compiler's own error under dynamo's wrappers (BackendCompilerFailed and the like)."""
+    while getattr(e, "inner_exception", None) or getattr(e, "__cause__", None):
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return e
+
+
+def one_line(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+EXPECTED_BREAKS = ("chunked_cross_entropy",)  # graph breaks by design: the chunked loss head's eager region
+
+
+def graph_breaks():
+    """{first line of the reason: count} of the graph breaks dynamo made so far, those by design left out."""
+    from torch._dynamo.utils import counters
+    breaks = {}
+    for why, n in counters["graph_break"].items():
+        if not any(name in why for name in EXPECTED_BREAKS):
+            first = why.strip().splitlines()[0][:200]
+            breaks[first] = breaks.get(first, 0) + n
+    return breaks
+
+
+class CompileWatch(logging.Handler):
+    """No silent eager: check() returns one line for each graph the plan compiled that has run eagerly since the
+    last check: a frame dynamo could not compile (suppress_errors turns the error into an eager run and a log
+    record, caught here), a recompile limit hit (the frame runs eagerly from then on), or a graph break that is
+    not by design (the model then runs as several graphs with eager code between them). close() stops watching."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.events = []
+        self.breaks = graph_breaks()  # the probe's are said by compiles()
+        logging.getLogger("torch._dynamo").addHandler(self)
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("WON'T CONVERT"):  # "WON'T CONVERT forward /path/model.py line 214 ..."
+            where = msg.splitlines()[0][len("WON'T CONVERT "):].strip()
+            why = one_line(root_error(record.exc_info[1])) if record.exc_info else "see the log above"
+            self.events.append(f"{where} failed to compile and runs eagerly ({why})")
+        elif "recompile_limit" in msg or "cache_size_limit" in msg:
+            self.events.append(f"{msg.strip().splitlines()[0][:200]}: the frame runs eagerly from now on")
+
+    def check(self):
+        now = graph_breaks()
+        lines = [f"warning: torch.compile: {e}" for e in self.events]
+        lines += [f"warning: torch.compile: a graph break in the model ({why}): it runs as several graphs with "
+                  "eager code between them" for why, n in now.items() if n > self.breaks.get(why, 0)]
+        self.events, self.breaks = [], now
+        return lines
+
+    def close(self):
+        logging.getLogger("torch._dynamo").removeHandler(self)
+        super().close()
 
 
 def compiles(step_model, micro_batch, seq_len, plan, warn=print):
@@ -350,24 +409,20 @@ def compiles(step_model, micro_batch, seq_len, plan, warn=print):
             _, loss = step_model(x, y)
         loss.backward()
     except Exception as e:  # noqa: BLE001 - whatever the compiler raised, eager still works
-        root = e
-        while getattr(root, "inner_exception", None) or root.__cause__:  # the compiler's error, not dynamo's wrapper
-            root = getattr(root, "inner_exception", None) or root.__cause__
+        root = root_error(e)  # the compiler's error, not dynamo's wrapper
         if is_oom(root) or isinstance(root, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(root):
             raise root from None
         torch._dynamo.reset()
-        for m in step_model.modules():  # eager means the loss head's body too
-            if hasattr(m, "compile_loss_head"):
-                m.compile_loss_head(None)
-        e = root
-        msg = (str(e).strip().splitlines() or [""])[0][:200]
-        warn(f"warning: torch.compile failed ({type(e).__name__}: {msg}); continuing without compile "
+        warn(f"warning: torch.compile failed ({one_line(root)}); continuing without compile "
              "(--compile=false skips the attempt)")
         return False
     finally:
         for p in step_model.parameters():
             p.grad = None
     torch._dynamo.config.suppress_errors = True
+    for why in graph_breaks():  # compiled, but in pieces: said once here, the run's later ones by CompileWatch
+        warn(f"warning: torch.compile: a graph break in the model ({why}): it runs as several graphs with eager "
+             "code between them")
     return True
 
 

@@ -19,8 +19,10 @@ from gpt2train.precision import default_plan
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
 RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW",
-                 "+chunked loss"]
-OPTIONS_CPU = ["attention kernels", "micro-batch 16", "micro-batch 32", "micro-batch 64", "compile max-autotune"]
+                 "+loss head"]
+OPTIONS_CPU = ["attention kernels", "chunked loss", "micro-batch 16", "micro-batch 32", "micro-batch 64",
+               "compile max-autotune"]
+CHUNKED = {"chunked loss": {"loss": "chunked"}}
 
 # -----------------------------------------------------------------------------
 # the ladder
@@ -94,19 +96,19 @@ def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
 
 @pytest.mark.parametrize("device,cap,micro_batch,expected", [
     ("cuda:0", (9, 0), 16, {"attention flash/efficient/math": {"sdpa_backends": ("flash", "efficient", "math")},
-                            "attention efficient/math": {"sdpa_backends": ("efficient", "math")},
+                            "attention efficient/math": {"sdpa_backends": ("efficient", "math")}, **CHUNKED,
                             "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
                             "compile max-autotune": {"compile_mode": "max-autotune"}}),
-    ("cuda:0", (8, 0), 64, {"attention efficient/math": {"sdpa_backends": ("efficient", "math")},
+    ("cuda:0", (8, 0), 64, {"attention efficient/math": {"sdpa_backends": ("efficient", "math")}, **CHUNKED,
                             "micro-batch 16": {"micro_batch": 16}, "micro-batch 32": {"micro_batch": 32},
                             "compile max-autotune": {"compile_mode": "max-autotune"}}),
-    ("cuda:0", (7, 5), 16, {"micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
+    ("cuda:0", (7, 5), 16, {**CHUNKED, "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
                             "compile max-autotune": {"compile_mode": "max-autotune"}}),
 ])
 def test_option_rungs_come_from_the_plan(device, cap, micro_batch, expected):
-    """After the eight cumulative rungs: the plan's other kernel orders (never math first), the other
-    micro-batches of 16/32/64, then max-autotune last; all optional, none skipped on these GPUs except
-    sm7x's single kernel."""
+    """After the eight cumulative rungs: the plan's other kernel orders (never math first), the chunked loss head
+    (the memory fallback), the other micro-batches of 16/32/64, then max-autotune last; all optional, none
+    skipped on these GPUs except sm7x's single kernel."""
     plan = default_plan(device, cap)
     rungs = bench.ladder_rungs(plan, "cuda", cap, micro_batch=micro_batch)
     options = rungs[8:]
@@ -120,7 +122,8 @@ def test_option_rungs_come_from_the_plan(device, cap, micro_batch, expected):
 def test_option_rungs_skip_on_cpu_and_without_compile():
     rungs = bench.ladder_rungs(default_plan("cpu"), "cpu", micro_batch=16)
     assert [(name, reason) for name, _, reason, _, _ in rungs[8:]] == [
-        ("attention kernels", "a GPU option: not run on cpu"), ("micro-batch 32", "a GPU option: not run on cpu"),
+        ("attention kernels", "a GPU option: not run on cpu"), ("chunked loss", "a GPU option: not run on cpu"),
+        ("micro-batch 32", "a GPU option: not run on cpu"),
         ("micro-batch 64", "a GPU option: not run on cpu"), ("compile max-autotune", "a GPU option: not run on cpu")]
     p61 = default_plan("cuda:0", (6, 1))  # compile off in the plan: max-autotune has nothing to tune
     assert bench.ladder_rungs(p61, "cuda", (6, 1))[-1][2] == "needs the torch.compile rung, which is off here"
@@ -136,7 +139,7 @@ def test_options_are_kept_only_when_faster(monkeypatch):
     def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
         seen.append(dict(settings))
         ms = {0: 100.0, 1: 120.0, 2: 150.0, 3: 400.0}[len(seen) - 1]  # "fast" does 2x the tokens in 1.5x the time
-        return ms, 1.0, (None, None), None
+        return ms, 1.0, (None, None), None, "full"
 
     monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
     monkeypatch.setattr(bench, "time_rung", fake_time_rung)
@@ -156,17 +159,17 @@ def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it
 
     def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
         seen.append(dict(settings))
-        return 100.0 * len(seen), 1.0, (None, None), None
+        return 100.0 * len(seen), 1.0, (None, None), None, "full"
 
     monkeypatch.setattr(bench, "time_rung", fake_time_rung)
     rows = bench.run_ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False, core=True,
                             on_row=lambda rows: snapshots.append([dict(r) for r in rows]))
     assert [r["name"][:len(p)] for r, p in zip(rows, RUNG_PREFIXES)] == RUNG_PREFIXES and len(rows) == 8
-    timed = [r for r in rows if r["skipped"] is None]  # CPU: fp32, SDPA, vocab, fused, chunked
-    assert seen[0]["loss"] == "chunked" and seen[0]["fused"] and seen[0]["vocab"] == 50304  # the whole stack first
-    assert seen[1]["loss"] == "full" and seen[1]["fused"]  # then +fused AdamW: the same without the chunked loss
+    timed = [r for r in rows if r["skipped"] is None]  # CPU: fp32, SDPA, vocab, fused, the trainer's loss head
+    assert seen[0]["loss"] == "auto" and seen[0]["fused"] and seen[0]["vocab"] == 50304  # the whole stack first
+    assert seen[1]["loss"] == "full" and seen[1]["fused"]  # then +fused AdamW: the same with plain full logits
     assert seen[-1] == dict(bench.BASELINE, micro_batch=4)  # fp32 last
-    assert len(snapshots) == 8 and snapshots[0][-1]["ms_per_step"] == 100.0  # +chunked loss, written at once
+    assert len(snapshots) == 8 and snapshots[0][-1]["ms_per_step"] == 100.0  # +loss head, written at once
     assert all(r["skipped"] == "not run (yet)" for r in snapshots[0][:-1] if r["name"] not in ("+TF32",))
     assert [r["ms_per_step"] for r in timed] == [500.0, 400.0, 300.0, 200.0, 100.0]  # ladder order in the table
     for prev, row in zip(timed, timed[1:]):
@@ -174,19 +177,21 @@ def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it
         assert row["speedup_first"] == pytest.approx(row["tokens_per_s"] / timed[0]["tokens_per_s"])
 
 
-def test_chunked_loss_rung_uses_the_trainers_chunk_size(monkeypatch):
-    """The rung's model takes memory.loss_chunk's rows for its plan and micro-batch (the trainer's function), and
-    the row says how many."""
-    assert bench.loss_chunk is memory.loss_chunk
+def test_loss_head_rung_runs_the_trainers_head(monkeypatch):
+    """The rung's model takes the trainer's loss head for its plan and micro-batch (memory.choose_loss_impl and
+    set_loss_head's memory.loss_chunk rows: the trainer's functions; on this CPU plan, compile off: chunked),
+    and the row says which."""
     asked, built = [], []
-    monkeypatch.setattr(bench, "loss_chunk", lambda plan, rows, vocab: asked.append((rows, vocab)) or 37)
+    monkeypatch.setattr(memory, "loss_chunk", lambda plan, rows, vocab: asked.append((rows, vocab)) or 37)
     real_build = bench.build
     monkeypatch.setattr(bench, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
-    rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+chunked loss")]
+    rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+loss head")]
     monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
     rows = bench.run_ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False)
-    assert {raw.ce_chunk_rows for raw, _, _ in built} == {37} and (2 * 16, 50257) in asked
-    assert rows[-1]["note"].endswith("37 rows a chunk (the trainer's)") and rows[-1]["skipped"] is None
+    assert [(raw.loss_impl, raw.ce_chunk_rows) for raw, _, _ in built] == [("chunked", 37), ("full", 37)]
+    assert (2 * 16, 50257) in asked  # loss head first (the trainer's stack), then fp32: vocab 50257 both
+    assert rows[-1]["note"].endswith(": chunked, 37 rows a chunk") and rows[-1]["skipped"] is None
+    assert bench.build is not real_build and bench.choose_loss_impl is memory.choose_loss_impl
 
 
 def test_compile_can_be_forced_on_cpu():
@@ -282,7 +287,7 @@ def test_chunked_loss_lowers_the_step_peak():
     peaks = {}
     for impl in ("full", "chunked"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16, loss_impl=impl))
+        model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16), loss_impl=impl)
         x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
         peaks[impl] = bench.step_peak_bytes(model, x, y, cpu_plan(torch.float32))
         assert all(p.grad is None for p in model.parameters())

@@ -32,13 +32,12 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled 
 @pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
 def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
     torch.manual_seed(0)
-    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn,
-                       loss_impl=loss_impl)
-    model = GPT(config, activation_checkpointing=ckpt)
+    config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn)
+    model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
     assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu",
-                                                               activation_checkpointing=ckpt)
+                                                               activation_checkpointing=ckpt, loss_impl=loss_impl)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,10 +47,12 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
     """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
     peak of forward + backward and not wildly above it."""
     torch.manual_seed(0)
-    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64, loss_impl=loss_impl)
+    config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64)
     x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
-    measured = bench.step_peak_bytes(GPT(config, activation_checkpointing=ckpt), x, y, cpu_plan(dtype))
-    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu", activation_checkpointing=ckpt)
+    model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
+    measured = bench.step_peak_bytes(model, x, y, cpu_plan(dtype))
+    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu", activation_checkpointing=ckpt,
+                                           loss_impl=loss_impl)
     n = sum(p.numel() for p in GPT(config).parameters())
     assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
     step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
@@ -347,7 +348,7 @@ def test_loss_chunk_comes_from_the_device_not_the_model():
     assert h200_chunk() == 21888 and memory.loss_chunk(gpu_plan((7, 5), 15), 65536, 50304) == 1024  # fp16: capped
     assert memory.loss_chunk(default_plan("cpu"), 65536, 50304) == CE_CHUNK_ROWS == GPT(GPTConfig()).ce_chunk_rows
     model = gpt2_on_meta(ce_chunk_rows=h200_chunk())
-    memory.set_loss_chunk(model, default_plan("cpu"), 64, 1024)  # a resumed run on the CPU: 1024, not the H200's
+    memory.set_loss_head(model, default_plan("cpu"), 64, 1024, "chunked")  # a resumed run on the CPU: 1024
     assert model.ce_chunk_rows == 1024 and GPT2 == GPTConfig(vocab_size=50304, **PRETRAINED["gpt2"])  # config as was
 
 
@@ -385,7 +386,7 @@ def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
 
 def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     """micro_batch_size=auto: every probe of size b runs with loss_chunk(plan, b x T), the value the trainer then
-    sets (set_loss_chunk) before compile, so the finder's compiled graph for the chosen size is the trainer's
+    sets (set_loss_head) before compile, so the finder's compiled graph for the chosen size is the trainer's
     (the value is in its guards): no compile after the finder."""
     plan = dataclasses.replace(gpu_plan((9, 0), 80), compile=False)
     model = gpt2_on_meta(ce_chunk_rows=h200_chunk())
@@ -405,5 +406,5 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     b, _, _ = memory.auto_micro_batch(model, [], 1024, 524288, 1, "cuda:0", plan, default=64)
     assert probed and all(chunk == memory.loss_chunk(plan, size * 1024, 50304) for size, chunk in probed), probed
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
-    memory.set_loss_chunk(model, plan, b, 1024)  # what the trainer sets after the finder
+    memory.set_loss_head(model, plan, b, 1024, "chunked")  # what the trainer sets after the finder
     assert model.ce_chunk_rows == dict(probed)[b]

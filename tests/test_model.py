@@ -75,7 +75,7 @@ def test_init_loss_is_ln_vocab():
 
 def test_masked_targets_are_ignored():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16, loss_impl="full"))
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16), loss_impl="full")
     idx = torch.randint(0, 100, (2, 16))
     targets = idx.clone()
     targets[:, :8] = -1
@@ -203,20 +203,25 @@ def test_from_checkpoint(tmp_path):
 
 
 def test_run_time_settings_stay_out_of_the_config_and_older_checkpoints_load(tmp_path):
-    """activation_checkpointing and ce_chunk_rows are how a run executes the model, set apart from its GPTConfig
-    (what a checkpoint saves); a checkpoint from before, whose model_args carry them, loads with them left out."""
+    """activation_checkpointing, ce_chunk_rows and loss_impl are how a run executes the model, set apart from its
+    GPTConfig (what a checkpoint saves); a checkpoint from before, whose model_args carry them, loads with them
+    left out."""
     config = GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16)
     model = GPT(config, activation_checkpointing="blocks", ce_chunk_rows=7)
     assert (model.activation_checkpointing, model.ce_chunk_rows) == ("blocks", 7) and model.config == config
     assert model.set_runtime(ce_chunk_rows=9) is model and (model.activation_checkpointing, model.ce_chunk_rows) == \
         ("blocks", 9)  # None keeps a setting as it is
-    for bad in (dict(activation_checkpointing="all"), dict(ce_chunk_rows=0), dict(ce_chunk_rows=2.0)):
+    assert model.loss_impl == "chunked" and model.set_runtime(loss_impl="full").loss_impl == "full"
+    for bad in (dict(activation_checkpointing="all"), dict(ce_chunk_rows=0), dict(ce_chunk_rows=2.0),
+                dict(loss_impl="auto")):
         with pytest.raises(ValueError):
             model.set_runtime(**bad)
-    old = dict(dataclasses.asdict(config), activation_checkpointing="every_other", ce_chunk_rows=21888)
+    old = dict(dataclasses.asdict(config), activation_checkpointing="every_other", ce_chunk_rows=21888,
+               loss_impl="full")
     torch.save({"model": model.state_dict(), "model_args": old, "step": 3}, tmp_path / "old.pt")
     back = GPT.from_checkpoint(str(tmp_path / "old.pt"))
-    assert back.config == config and (back.activation_checkpointing, back.ce_chunk_rows) == ("none", CE_CHUNK_ROWS)
+    assert back.config == config and (back.activation_checkpointing, back.ce_chunk_rows, back.loss_impl) == \
+        ("none", CE_CHUNK_ROWS, "chunked")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
 
 
