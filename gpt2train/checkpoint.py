@@ -90,6 +90,26 @@ def read_checkpoint(path):
     return ckpt
 
 
+def check_config(config, state_dict):
+    """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
+    its modes are known ones (a checkpoint's model_args against its model)."""
+    sizes = {k: getattr(config, k)
+             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
+    if not all(type(v) is int and v >= 1 for v in sizes.values()):
+        raise ValueError(f"model_args {sizes} must be positive integers")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
+    modes = {"attn_impl": ("sdpa", "naive"), "loss_impl": ("chunked", "full")}
+    for k, allowed in modes.items():
+        if getattr(config, k) not in allowed:
+            raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
+    blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
+    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape),
+              len(blocks))
+    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
+        raise ValueError(f"model_args {sizes} do not match its weights")
+
+
 def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
