@@ -142,7 +142,7 @@ def test_file_map_is_the_files_on_disk():
 
 def test_commands_in_the_docs_name_files_that_exist():
     """Every `python X.py` / `torchrun ... X.py` line in a code block of the README or docs/ runs a script that is
-    there (a benchmark that moved to bench/, say)."""
+    there (a benchmark that moved to dev/, say)."""
     missing = []
     for page in markdown_pages():
         for block in re.findall(r"```(?:bash|python)?\n(.*?)```", read(page), re.S):
