@@ -27,7 +27,7 @@ import torch
 
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
-from gpt2train.fileio import UserError, replacing
+from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing
 from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -315,10 +315,8 @@ class OutDirLock:
 
     def acquire(self, out_dir):
         """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a no-op."""
-        self.path, d = os.path.join(out_dir, "run.lock"), os.path.abspath(out_dir)
-        while not os.path.isdir(d) and os.path.dirname(d) != d:  # the folders made for the run: out/my_book, out
-            self.made_dirs.append(d)
-            d = os.path.dirname(d)
+        self.path = os.path.join(out_dir, "run.lock")
+        self.made_dirs += missing_dirs(out_dir)  # the folders made for the run: out/my_book, out
         os.makedirs(out_dir, exist_ok=True)
         for _ in range(3):
             try:
@@ -357,8 +355,4 @@ class OutDirLock:
                 ours = json.load(f).get("pid") == self.me["pid"]
             if ours:
                 os.remove(self.path)
-        for d in self.made_dirs:  # deepest first; one that holds anything stays, and so do those above it
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
+        remove_empty_dirs(self.made_dirs)
