@@ -1,6 +1,6 @@
 """
-A run's out_dir: its checkpoint files (list, read, newest; save, prune), what a checkpoint changes on resume, and
-the lock that keeps one live run per out_dir.
+A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune), what a checkpoint
+changes on resume, and the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
     ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
@@ -129,6 +129,17 @@ def latest_checkpoint(out_dir, warn=print):
 def optimizer_kind(ckpt):
     """"adamw" or "muon": which optimizers a checkpoint's state belongs to (older ones: AdamW)."""
     return ckpt.get("config", {}).get("optimizer", "adamw")
+
+
+def run_out_dir(cfg, given):
+    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
+    another run's out_dir: the config's own run, or another config's run on the same text."""
+    if cfg.data and given.get("out_dir") != "cli":
+        name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
+        name = os.path.splitext(name)[0] or "data"
+        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
+    return cfg.out_dir
 
 
 def resume_overrides(out_dir, cfg, given, say=print):
