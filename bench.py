@@ -19,7 +19,7 @@ are timed last to first (the trainer's stack first: a run cut off keeps it), the
 that cannot apply on the device are printed as skipped, with the reason. Every row counts the host
 syncs of a step.
 
-The memory estimate and the micro-batch finder live in memory.py, the training step in precision.py
+The memory estimate and the micro-batch finder live in memory.py, the training step in optim.py
 (optim.train_step runs the trainer's own accumulate_gradients + optimizer_step, so the ladder times
 the step training runs); this file times and reports. Never imports train_gpt2.
 """
