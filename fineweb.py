@@ -23,7 +23,7 @@ are kept, the rest is redone, and the output is byte-identical to an uninterrupt
 differs from the manifest only in --shard_size or --val_fraction (the same tokens, cut differently)
 deletes the old shards and rebuilds; any other difference is refused, and the folder left alone.
 
-The library is gpt2train/shards.py; `python bench/fineweb_bench.py` times its tokenizer pipeline.
+The library is gpt2train/shards.py; `python dev/fineweb_bench.py` times its tokenizer pipeline.
 
 A .txt, .md or .py source (also .gz/.bz2/.xz) is one document; .jsonl/.json/.parquet sources have one document
 per row (--text_column), .jsonl/.json also compressed (.gz, .bz2, .xz, .zst) as `datasets` reads them.

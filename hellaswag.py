@@ -17,7 +17,7 @@ right-padded, padding never scored; score_one() is the plain one-example referen
 (torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles once, with short
 examples sharing a row rather than padding it.
 
-The benchmark (batched vs one example at a time): bench/hellaswag_bench.py.
+The benchmark (batched vs one example at a time): dev/hellaswag_bench.py.
 
 Inside training: load_examples() once at start-up, then evaluate(model, examples, ...) every
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).

@@ -15,22 +15,15 @@ loss (F.cross_entropy, fused into the graph when compiled), the default "chunked
 those blocks in backward instead of keeping their activations.
 
 Also here: FLOPs per token (gpt2train/precision.py has the MFU). The loss head is gpt2train/loss.py's.
-From the command line:
+Checkpoints are read and checked by gpt2train/checkpoint.py; export.py writes the Hugging Face directory
+and the GGUF file. From the command line:
 
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
     python model.py --help                           # the usage
-    python model.py export out/ckpt_019073.pt out/hf # a Hugging Face directory, tokenizer included
-    python model.py export out/gpt2_124m gpt2.gguf --type q8_0  # one GGUF file for llama.cpp / Ollama
-
-The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
-pipeline("text-generation"); the source may also be a run's out_dir (its newest checkpoint), a
-save_pretrained directory or a GPT-2 name. The .gguf file (gguf_export.py; --type f32, f16 or q8_0)
-runs in llama.cpp's gpt2 architecture; it needs `pip install gguf`.
 """
-import errno
 import math
 import os
-import re
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -39,8 +32,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gpt2train.checkpoint import newest_checkpoint, read_checkpoint
-from gpt2train.fileio import UserError, fail, replacing_dir
+from gpt2train.checkpoint import check_config, read_checkpoint
+from gpt2train.fileio import UserError, fail
 from gpt2train.loss import CE_CHUNK_ROWS, LOSS_IMPLS, loss_head
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
@@ -342,26 +335,6 @@ class GPT(nn.Module):
         hf.save_pretrained(out_dir)
 
 
-def check_config(config, state_dict):
-    """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
-    its modes are known ones (a checkpoint's model_args against its model)."""
-    sizes = {k: getattr(config, k)
-             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
-    if not all(type(v) is int and v >= 1 for v in sizes.values()):
-        raise ValueError(f"model_args {sizes} must be positive integers")
-    if config.n_embd % config.n_head:
-        raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
-    modes = {"attn_impl": ("sdpa", "naive")}
-    for k, allowed in modes.items():
-        if getattr(config, k) not in allowed:
-            raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
-    blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
-    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape),
-              len(blocks))
-    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
-        raise ValueError(f"model_args {sizes} do not match its weights")
-
-
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # -----------------------------------------------------------------------------
@@ -375,72 +348,7 @@ def flops_per_token(model, seq_len):
 
 
 # -----------------------------------------------------------------------------
-# export and command line
-
-
-# what save_pretrained and write_hf_tokenizer put in a directory: an OUT_DIR holding only these is a
-# previous export and may be replaced; anything else (a run's checkpoints, say) is never deleted
-EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
-                          r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json")
-
-
-def load_for_export(src):
-    """The model an export writes: SRC as sample.py's --model takes it (a run's out_dir: its newest
-    checkpoint), refused unless GPT-2's tokenizer covers its vocabulary."""
-    model = GPT.load(newest_checkpoint(src))
-    if model.config.vocab_size < GPT2_VOCAB_SIZE:
-        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
-                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
-    return model
-
-
-def export(src, out_dir):
-    """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
-    beside it and swapped in only when complete."""
-    from gpt2train.tokenizer import write_hf_tokenizer
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"OUT_DIR {out_dir} is a file: choose a new or empty OUT_DIR")
-    if os.path.isdir(out_dir):
-        others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)]
-        if others:
-            raise UserError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
-                             "choose a new or empty OUT_DIR")
-    model = load_for_export(src)
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    with replacing_dir(out_dir) as tmp:
-        try:
-            model.save_pretrained(tmp)
-        except Exception as e:  # safetensors reports a failed write (a full disk) as its own error type
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise OSError(errno.EIO, str(e)) from None
-        write_hf_tokenizer(tmp, model_max_length=model.config.block_size)
-    return model
-
-
-def export_gguf(src, out, type_name="f16"):
-    """Write out, one GGUF file for llama.cpp (gguf_export.py), temp file then rename."""
-    from gpt2train.gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
-    import_gguf()  # no gguf package, a wrong --type: said before loading anything
-    check_type(type_name)
-    if os.path.isdir(out):
-        raise UserError(f"OUT {out} is a folder: name the .gguf file to write")
-    model = load_for_export(src)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return write_gguf(model, out, type_name)
-
-
-def split_type(args):
-    """export's arguments without its --type T (or --type=T), and T (None when not given)."""
-    rest, type_name, it = [], None, iter(args)
-    for a in it:
-        if a == "--type":
-            type_name = next(it, "")
-        elif a.startswith("--type="):
-            type_name = a[len("--type="):]
-        else:
-            rest.append(a)
-    return rest, type_name
+# command line
 
 
 def print_sizes():
@@ -451,18 +359,12 @@ def print_sizes():
               f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")
 
 
-USAGE = ("usage: python model.py [sizes] | python model.py export SRC OUT_DIR | "
-         "python model.py export SRC OUT.gguf [--type f32|f16|q8_0]")
+USAGE = "usage: python model.py [sizes]"
 HELP = f"""{USAGE}
 
   sizes (the default)  parameter count and GFLOPs per token of each GPT-2 size
-  export SRC OUT_DIR   a Hugging Face directory (weights and GPT-2's tokenizer) from SRC: a ckpt_*.pt,
-                       a run's out_dir (its newest checkpoint), a save_pretrained directory or a GPT-2
-                       name; it loads offline with AutoTokenizer, AutoModelForCausalLM and
-                       pipeline("text-generation")
-  export SRC OUT.gguf  one GGUF file (llama.cpp's gpt2 architecture, GPT-2's tokenizer) for llama.cpp,
-                       Ollama, LM Studio; --type f32, f16 (the default) or q8_0 for its matrices.
-                       Needs the gguf package: pip install gguf"""
+
+The export (a Hugging Face directory or a GGUF file) is its own command: python export.py --help"""
 
 
 def main(argv):
@@ -472,26 +374,11 @@ def main(argv):
     if argv in ([], ["sizes"]):
         print_sizes()
         return 0
-    try:
-        args, type_name = split_type(argv[1:])
-        if len(args) != 2 or argv[0] != "export":
-            raise UserError(f"expected `sizes` or `export SRC OUT_DIR` or `export SRC OUT.gguf`, got "
-                            f"{' '.join(argv)!r}; {USAGE}")
-        src, out = args
-        if out.endswith(".gguf"):
-            size = export_gguf(src, out, type_name or "f16")
-        elif type_name is not None:
-            raise UserError(f"--type is for a .gguf file, and {out} is not one: name it OUT.gguf")
-        else:
-            export(src, out)
-    except (UserError, OSError) as e:  # OSError: no space or no permission while writing OUT (exit 1)
-        return fail(e)
-    if out.endswith(".gguf"):
-        print(f"wrote {out} ({size / 2**20:.1f} MiB, {type_name or 'f16'}): run it with "
-              f"llama-cli -m {out} -p \"Hello\"")
-    else:
-        print(f"wrote {out}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
-    return 0
+    if argv[0] == "export":  # the export's old home, kept for a while: the same arguments, run by export.py
+        print("note: `python model.py export` is now `python export.py`; running that", file=sys.stderr)
+        export_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export.py")
+        return subprocess.call([sys.executable, export_py, *argv[1:]])
+    return fail(UserError(f"expected `sizes`, got {' '.join(argv)!r}; {USAGE} (the export: python export.py)"))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """
-Text from a GPT-2: one of train_gpt2.py's checkpoints, a save_pretrained directory (model.py export)
+Text from a GPT-2: one of train_gpt2.py's checkpoints, a save_pretrained directory (export.py)
 or an OpenAI name (gpt2 .. gpt2-xl, from the Hugging Face hub on first use).
 
     python sample.py --model out/gpt2_124m/ckpt_019073.pt --prompt "Hello, I'm a language model,"

@@ -233,7 +233,7 @@ def resume_point(cfg, given, env, device, lock, say):
     """(out_dir, the checkpoint to continue from or None, {key: value} it fixes): out_dir taken for this
     run (rank 0 holds its lock), the resume decision made (checkpoint.resume_overrides), every rank
     continuing from the same step."""
-    out_dir = run_out_dir(cfg, given)
+    out_dir = checkpoint.run_out_dir(cfg, given)
     if env.master:
         lock.acquire(out_dir)
     ckpt, overrides = checkpoint.resume_overrides(out_dir, cfg, given, say)
@@ -245,17 +245,6 @@ def resume_point(cfg, given, env, device, lock, say):
                             "put out_dir on a filesystem every node sees, or copy the newest ckpt_*.pt to every "
                             "node's out_dir")
     return out_dir, ckpt, overrides
-
-
-def run_out_dir(cfg, given):
-    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
-    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
-    another run's out_dir: the config's own run, or another config's run on the same text."""
-    if cfg.data and given.get("out_dir") != "cli":
-        name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
-        name = os.path.splitext(name)[0] or "data"
-        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
-    return cfg.out_dir
 
 
 def place_model(cfg, given, ckpt, seq_len, plan, env, say):

@@ -3,7 +3,7 @@
 # instead of build-nanogpt's 10B.
 #   python train_gpt2.py configs/gpt2_124m_muon.py
 #   torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m_muon.py
-# The recipe (docs/muon.md, bench/recipe.md): Muon on the blocks' matrices with c_attn as q, k, v (the default),
+# The recipe (docs/muon.md, dev/recipe.md): Muon on the blocks' matrices with c_attn as q, k, v (the default),
 # AdamW on the rest at 3x build-nanogpt's lr (1.8e-3, llm.c's 124M lr), the lr flat after warmup and then
 # linear to zero over the last 20%, the residual projections started at zero. Each beat the seed spread in the
 # ablation on CPU at 4x64 (at 4x96 the 3x lrs and zero-init alone hurt, yet the combination still needed fewer
@@ -17,7 +17,7 @@
 # HellaSwag at the end falls short, copy it to a new out_dir and resume there with --max_steps=11444 (6B): the
 # flat lr goes on and the run is, bit for bit, the one a 6B plan would have trained.
 # A T4 at ~20k tokens/s needs ~2.3 days for 4B tokens (~3.9 for the 6B fallback, the bet's cooldown
-# included); Kaggle's 2xT4 ~1.3 (~2.2). Not yet measured on a GPU at 124M: muon_lr is bench/muon.md's, the
+# included); Kaggle's 2xT4 ~1.3 (~2.2). Not yet measured on a GPU at 124M: muon_lr is dev/muon.md's, the
 # AdamW lr llm.c's.
 data_dir = "edu_fineweb10B"
 out_dir = "out/gpt2_124m_muon"
@@ -30,13 +30,13 @@ optimizer = "muon"
 max_steps = 7630  # 4B tokens; the cooldown starts at step 6104
 warmup_steps = 250
 max_lr = 6e-4  # build-nanogpt's; x embed_lr_mult / scalar_lr_mult below: AdamW runs at 1.8e-3 on all it has
-min_lr = 0.0  # decay to zero (bench/recipe.md: wsd to zero -0.111 val, seed spread 0.027)
+min_lr = 0.0  # decay to zero (dev/recipe.md: wsd to zero -0.111 val, seed spread 0.027)
 lr_schedule = "wsd"  # flat after warmup, then linear over the last cooldown_frac
 cooldown_frac = 0.2
 embed_lr_mult = 3.0  # wte (the tied lm_head too) and wpe at 1.8e-3 (-0.054, spread 0.012)
 scalar_lr_mult = 3.0  # biases and layer-norm gains at 1.8e-3 (-0.025, spread 0.005)
 zero_init_proj = True  # attn.c_proj, mlp.c_proj start at zero (-0.011, spread 0.006)
-muon_lr = 6e-3  # Muon on the blocks' matrices, on AdamW's scale (adjust_lr_fn="match_rms_adamw"); bench/muon.md
+muon_lr = 6e-3  # Muon on the blocks' matrices, on AdamW's scale (adjust_lr_fn="match_rms_adamw"); dev/muon.md
 muon_momentum = 0.95
 weight_decay = 0.1
 grad_clip = 1.0

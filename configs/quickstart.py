@@ -4,10 +4,10 @@
 # and the standard library's .py sources (~4.3M GPT-2 tokens, 0.25% of them val, taken along the whole
 # corpus), through fineweb.py, in a few seconds.
 # On our 2-core CPU the val loss goes 10.61 -> 4.87 -> 4.38 -> 4.23 -> 4.08 (every 40 steps; AdamW alone, the
-# optimizer before Muon, ends at 4.61 on the same split and order: bench/muon.md), the first run from a fresh
+# optimizer before Muon, ends at 4.61 on the same split and order: dev/muon.md), the first run from a fresh
 # clone takes about a minute with nothing else running (corpus included), and the samples from "def" have
 # indentation, if, else:, yield and names in roughly the right places.
-# The issue-33 levers (bench/recipe.md) are on: without them (cosine to min_lr 6e-4, GPT-2's init, one lr for
+# The issue-33 levers (dev/recipe.md) are on: without them (cosine to min_lr 6e-4, GPT-2's init, one lr for
 # all of AdamW's groups; c_attn split as q, k, v in both) it ends at 4.13 / 4.15 (seeds 1337 / 1), with them
 # at 4.08 / 4.09.
 data_dir = "data/python"
@@ -23,7 +23,7 @@ seq_len = 128
 total_batch_size = 1024
 max_steps = 160
 warmup_steps = 16
-optimizer = "muon"  # Muon on the blocks' matrices: val 4.08 at step 160 where AdamW alone ends at 4.61 (bench/muon.md)
+optimizer = "muon"  # Muon on the blocks' matrices: val 4.08 at step 160 where AdamW alone ends at 4.61 (dev/muon.md)
 muon_lr = 1.2e-2  # (6e-3: 4.17)
 max_lr = 6e-3  # AdamW's, on the embeddings, the tied head, biases and norms
 min_lr = 0.0  # to zero...

@@ -1,6 +1,6 @@
 """
-A run's out_dir: its checkpoint files (list, read, newest; save, prune), what a checkpoint changes on resume, and
-the lock that keeps one live run per out_dir.
+A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune), what a checkpoint
+changes on resume, and the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
     ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
@@ -27,7 +27,7 @@ import torch
 
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
-from gpt2train.fileio import UserError, replacing
+from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing
 from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -90,6 +90,26 @@ def read_checkpoint(path):
     return ckpt
 
 
+def check_config(config, state_dict):
+    """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
+    its modes are known ones (a checkpoint's model_args against its model)."""
+    sizes = {k: getattr(config, k)
+             for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
+    if not all(type(v) is int and v >= 1 for v in sizes.values()):
+        raise ValueError(f"model_args {sizes} must be positive integers")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
+    modes = {"attn_impl": ("sdpa", "naive")}
+    for k, allowed in modes.items():
+        if getattr(config, k) not in allowed:
+            raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
+    blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
+    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape),
+              len(blocks))
+    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
+        raise ValueError(f"model_args {sizes} do not match its weights")
+
+
 def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
@@ -109,6 +129,17 @@ def latest_checkpoint(out_dir, warn=print):
 def optimizer_kind(ckpt):
     """"adamw" or "muon": which optimizers a checkpoint's state belongs to (older ones: AdamW)."""
     return ckpt.get("config", {}).get("optimizer", "adamw")
+
+
+def run_out_dir(cfg, given):
+    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
+    another run's out_dir: the config's own run, or another config's run on the same text."""
+    if cfg.data and given.get("out_dir") != "cli":
+        name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
+        name = os.path.splitext(name)[0] or "data"
+        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
+    return cfg.out_dir
 
 
 def resume_overrides(out_dir, cfg, given, say=print):
@@ -295,10 +326,8 @@ class OutDirLock:
 
     def acquire(self, out_dir):
         """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a no-op."""
-        self.path, d = os.path.join(out_dir, "run.lock"), os.path.abspath(out_dir)
-        while not os.path.isdir(d) and os.path.dirname(d) != d:  # the folders made for the run: out/my_book, out
-            self.made_dirs.append(d)
-            d = os.path.dirname(d)
+        self.path = os.path.join(out_dir, "run.lock")
+        self.made_dirs += missing_dirs(out_dir)  # the folders made for the run: out/my_book, out
         os.makedirs(out_dir, exist_ok=True)
         for _ in range(3):
             try:
@@ -337,8 +366,4 @@ class OutDirLock:
                 ours = json.load(f).get("pid") == self.me["pid"]
             if ours:
                 os.remove(self.path)
-        for d in self.made_dirs:  # deepest first; one that holds anything stays, and so do those above it
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
+        remove_empty_dirs(self.made_dirs)

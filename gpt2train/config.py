@@ -59,7 +59,7 @@ class Config:
     muon_lr: float = 6e-3  # optimizer=muon: Muon's lr after warmup, on AdamW's scale (torch's original: no better)
     muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
     muon_momentum_warmup: int = 0  # optimizer=muon: steps of momentum 0.85 -> muon_momentum; 0 = off (measured no gain)
-    muon_split_qkv: bool = True  # optimizer=muon: c_attn as q, k, v: three (C, C) (bench/recipe.md: -0.054 val)
+    muon_split_qkv: bool = True  # optimizer=muon: c_attn as q, k, v: three (C, C) (dev/recipe.md: -0.054 val)
     zero_init_proj: bool = False  # scratch runs: attn.c_proj, mlp.c_proj weights start at 0 (the Muon configs)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling, checkpoints (an interval of 0 disables; evals and a checkpoint also run at the end)
@@ -92,7 +92,7 @@ class Config:
     compile_cache_dir: str = "auto"  # torch.compile's caches: auto = <out_dir>/../.compile_cache, "" = /tmp, a folder
     seed: int = 1337  # the run's random seed (initial weights, samples)
     dist_timeout: int = 600  # seconds a rank waits for its peers in a collective before giving up (torchrun)
-    # memory: for models that do not fit (see bench/README.md for what fits where)
+    # memory: for models that do not fit (see dev/README.md for what fits where)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
     activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in backward
     loss_impl: str = "auto"  # loss head: auto = full logits where compiled and they fit, else chunked; full, chunked

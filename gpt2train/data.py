@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpt2train import shards
-from gpt2train.fileio import UserError, replacing_dir, write_json
+from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing_dir, write_json
 
 # -----------------------------------------------------------------------------
 # shards
@@ -299,10 +299,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
     size = sum(s for _, s, _ in stamp["files"])
     print(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
-    made, up = [], os.path.dirname(os.path.abspath(cache))
-    while not os.path.isdir(up):  # the folders above cache made here (deepest first): removed again on a failure
-        made.append(up)
-        up = os.path.dirname(up)
+    made = missing_dirs(os.path.dirname(os.path.abspath(cache)))  # the folders above cache: removed on a failure
     if made:
         os.makedirs(made[0])
     try:
@@ -314,11 +311,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
             check_rows(data, tmp, T, rows)
             write_json(os.path.join(tmp, CACHE_FILE), stamp)
     except BaseException:
-        for d in made:
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
+        remove_empty_dirs(made)
         raise
 
 

@@ -135,6 +135,26 @@ def replacing(path, suffix=".tmp"):
             os.remove(tmp)
 
 
+def missing_dirs(path):
+    """The folders of path, itself included, that do not exist yet, deepest first: what os.makedirs(path)
+    would make, so that remove_empty_dirs can take them away again."""
+    missing, d = [], os.path.abspath(path)
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    return missing
+
+
+def remove_empty_dirs(dirs):
+    """Remove the folders missing_dirs listed (deepest first), as long as they are empty: one that holds
+    anything stays, and so do those above it."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
 def write_json(path, obj, indent=1):
     with replacing(path) as tmp:
         with open(tmp, "w") as f:

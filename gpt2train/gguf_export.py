@@ -2,10 +2,10 @@
 A GGUF file of one of our GPT-2s, for llama.cpp and what is built on it (Ollama, LM Studio,
 llama-cpp-python): llama.cpp's `gpt2` architecture, its tensor names and metadata, GPT-2's BPE
 tokenizer. Written and quantized by the `gguf` package, llama.cpp's own Python library (optional:
-`pip install gguf`, in requirements-dev.txt). From the command line, through model.py:
+`pip install gguf`, in requirements-dev.txt). From the command line, through export.py:
 
-    python model.py export out/quickstart out/quickstart.gguf                 # a run's newest checkpoint, f16
-    python model.py export out/quickstart/ckpt_000160.pt q8.gguf --type q8_0  # f32, f16 or q8_0
+    python export.py out/quickstart out/quickstart.gguf                 # a run's newest checkpoint, f16
+    python export.py out/quickstart/ckpt_000160.pt q8.gguf --type q8_0  # f32, f16 or q8_0
 
     from gpt2train.gguf_export import write_gguf
     write_gguf(model, "out.gguf", "q8_0")
@@ -90,7 +90,7 @@ def add_metadata(writer, gguf, model, tokens, merges, ftype, name):
 
 
 def write_gguf(model, path, type_name="f16", name=None):
-    """Write model, a GPT-2-shaped GPT (model.py export checks), as one GGUF file at path (temp file, then
+    """Write model, a GPT-2-shaped GPT (export.py checks), as one GGUF file at path (temp file, then
     renamed; the umask's mode). type_name: f32, f16 or q8_0 for the matrices. Returns its size in bytes."""
     gguf = import_gguf()
     tokens, merges = gpt2_bpe()

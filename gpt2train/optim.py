@@ -20,10 +20,10 @@ from gpt2train.fileio import UserError
 from gpt2train.precision import autocast
 
 OPTIMIZERS = ("adamw", "muon")
-MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (bench/muon.md)
+MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (dev/muon.md)
 MUON_MOMENTUM = 0.95
 MUON_MOMENTUM_START = 0.85  # muon_momentum_warmup starts here (modded-nanogpt's 0.85 -> 0.95)
-MUON_SPLIT_QKV = True  # c_attn as q, k, v: -0.054 val (seed spread 0.017) in issue 33's ablation (bench/recipe.md)
+MUON_SPLIT_QKV = True  # c_attn as q, k, v: -0.054 val (seed spread 0.017) in issue 33's ablation (dev/recipe.md)
 SCHEDULES = ("cosine", "linear", "wsd")
 MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
@@ -242,7 +242,7 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
     Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
     muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q, k, v (Muon.split).
     muon_weight_decay=None means weight_decay; fused=None means fused AdamW on CUDA where torch has it.
-    muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is match_rms_adamw (bench/recipe.py measures
+    muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is match_rms_adamw (dev/recipe.py measures
     "original" against it)."""
     muon, decay, no_decay = split_params(model, optimizer)
     if fused is None:

@@ -11,7 +11,7 @@ hashes tiktoken itself pins.
     enc.encode_ordinary("Hello, I'm a language model,")  # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
 The same verified files, renamed, are what Hugging Face's GPT2Tokenizer reads: write_hf_tokenizer(dir)
-puts vocab.json, merges.txt and the two small configs into a save_pretrained directory (model.py export).
+puts vocab.json, merges.txt and the two small configs into a save_pretrained directory (export.py).
 gpt2_bpe() gives the same token list and merges as Python lists: a GGUF file's tokenizer (gguf_export.py).
 
 Run `python tokenizer.py` to check the installation.

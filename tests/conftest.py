@@ -532,14 +532,14 @@ def assert_export_generates_like_us(data_dir, tmp_path, **keys):
     continues a prompt greedily exactly as our GPT.generate does."""
     from transformers import pipeline
 
-    import model as model_py
+    import export as export_py
     from gpt2train.tokenizer import get_encoding
     from train_gpt2 import main
     out = str(tmp_path / "run")
     assert main(tiny_args(data_dir, out, vocab_size=50304, max_steps=2, eval_interval=0, checkpoint_interval=0,
                           **keys)) == 0
     ckpt, hf = os.path.join(out, "ckpt_000002.pt"), str(tmp_path / "hf")
-    assert model_py.main(["export", ckpt, hf]) == 0
+    assert export_py.main([ckpt, hf]) == 0
     prompt, enc = "Hello, I'm a language model,", get_encoding()
     ids = pipeline("text-generation", model=hf, device="cpu")(prompt, max_new_tokens=8, do_sample=False,
                                                              return_tensors=True)[0]["generated_token_ids"]

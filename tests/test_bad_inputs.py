@@ -17,16 +17,16 @@ import pytest
 import torch
 
 import bench
+import export as export_py
 import fineweb
 import hellaswag
-import model as model_py
 import plot
 import sample
 import train_gpt2
 from conftest import ROOT, one_line, tiny_args, write_shards
 
 SCRIPTS = {"train": train_gpt2.main, "fineweb": fineweb.main, "hellaswag": hellaswag.main, "bench": bench.main,
-           "sample": sample.main, "plot": plot.main, "export": lambda argv: model_py.main(["export", *argv])}
+           "sample": sample.main, "plot": plot.main, "export": export_py.main}
 ROW = {"ctx": "A man plays", "endings": ["a", "b", "c", "d"], "label": 2}
 
 
@@ -240,7 +240,7 @@ def test_the_table_covers_every_script_and_family():
     ("train_gpt2.py", tiny_args("{shards_garbage}", "{d}/out_sub"), "{shards_garbage}/toy_val_000000.npy"),
     ("fineweb.py", ["--source", "{doc_txt}", "--shard_size", "lots"], "--shard_size"),
     ("plot.py", ["{missing}"], "{missing}"),
-    ("model.py", ["export", "{text_pt}", "{d}/hf_sub"], "{text_pt}"),
+    ("export.py", ["{text_pt}", "{d}/hf_sub"], "{text_pt}"),
 ])
 def test_entry_point_exits_2_with_one_line(script, argv, names, paths):
     argv = [a.format(**paths) for a in argv]
@@ -256,6 +256,6 @@ def test_nothing_is_written_on_bad_input(paths, capsys):
     d = paths["d"]
     assert train_gpt2.main(tiny_args(paths["shards_garbage"], os.path.join(d, "out_none"))) == 2
     assert fineweb.main(["--source", paths["empty_txt"], "--out_dir", os.path.join(d, "fw_none")]) == 2
-    assert model_py.main(["export", paths["text_pt"], os.path.join(d, "hf_none")]) == 2
+    assert export_py.main([paths["text_pt"], os.path.join(d, "hf_none")]) == 2
     capsys.readouterr()
     assert not {"out_none", "fw_none", "hf_none"} & set(os.listdir(d))

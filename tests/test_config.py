@@ -30,7 +30,7 @@ def test_defaults_are_build_nanogpts_124m_recipe():
 def test_shipped_configs_parse(name):
     cfg, given = parse_args([os.path.join(ROOT, "configs", f"{name}.py")])
     assert cfg.total_batch_size % (cfg.micro_batch_size * cfg.seq_len) == 0
-    if cfg.lr_schedule == "wsd":  # the Muon configs: flat, then down to zero (bench/recipe.md)
+    if cfg.lr_schedule == "wsd":  # the Muon configs: flat, then down to zero (dev/recipe.md)
         assert cfg.min_lr == 0 and cfg.optimizer == "muon" and cfg.zero_init_proj and cfg.muon_split_qkv
     else:  # build-nanogpt's cosine to a tenth
         assert cfg.min_lr == pytest.approx(cfg.max_lr / 10)

@@ -16,7 +16,7 @@ import torch
 
 import fineweb
 from gpt2train import logger
-import model as model_py
+import export as export_py
 import train_gpt2
 from model import GPT
 from conftest import (ROOT, assert_same_state, build_shards, one_line, random_model, save_ckpt, snapshot,
@@ -164,14 +164,14 @@ def test_manifest_on_a_full_disk(corpus, built, tmp_path, monkeypatch, capsys):
     assert snapshot(out) == snapshot(built)
 
 # -----------------------------------------------------------------------------
-# model.py export
+# export.py
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "SafetensorError"])
 def test_export_on_a_full_disk(error, tmp_path, monkeypatch, capsys):
     from safetensors import SafetensorError
     ckpt, out = save_ckpt(random_model(), tmp_path / "ckpt_000010.pt"), str(tmp_path / "hf")
-    assert model_py.main(["export", ckpt, out]) == 0
+    assert export_py.main([ckpt, out]) == 0
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
 
     def dying_save_pretrained(self, tmp):
@@ -180,7 +180,7 @@ def test_export_on_a_full_disk(error, tmp_path, monkeypatch, capsys):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(GPT, "save_pretrained", dying_save_pretrained)
-    assert model_py.main(["export", ckpt, out]) == 1
+    assert export_py.main([ckpt, out]) == 1
     line = one_line(capsys.readouterr().err)
     assert out in line and "No space left on device" in line
     monkeypatch.undo()

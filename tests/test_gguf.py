@@ -1,4 +1,4 @@
-"""python model.py export SRC OUT.gguf, checked by readers we did not write: transformers loads the file
+"""python export.py SRC OUT.gguf, checked by readers we did not write: transformers loads the file
 (from_pretrained(gguf_file=...), dequantized to torch) and continues prompts as sample.py does, and the
 gguf package's GGUFReader lists exactly what llama.cpp's gpt2 loader reads. That list is taken from
 llama.cpp's source (repository ggml-org/llama.cpp):
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from gpt2train import checkpoint
-import model as model_py
+import export as export_py
 import sample
 from conftest import cpu_plan, one_line, random_model, save_ckpt, tiny_args
 from model import GPT, GPTConfig
@@ -80,7 +80,7 @@ def runs(data_dir, tmp_path_factory):
                                       checkpoint_interval=0, optimizer=opt)) == 0
         files = {t: str(d / f"{opt}_{t}.gguf") for t in types}
         for t, path in files.items():
-            assert quiet(model_py.main, ["export", run, path, "--type", t]) == 0
+            assert quiet(export_py.main, [run, path, "--type", t]) == 0
         out[opt] = (run, files)
     return out
 
@@ -218,7 +218,7 @@ def test_sources_checkpoint_run_folder_and_save_pretrained_dir(runs, hf_dir, tmp
     for a, b in [(run, checkpoint.newest_checkpoint(run)), (hf_dir, ckpt)]:
         files = [str(tmp_path / name / "m.gguf") for name in ("a", "b")]  # the same file name: general.name
         for src, out in zip((a, b), files):
-            assert quiet(model_py.main, ["export", src, out, "--type", "q8_0"]) == 0  # (it makes the folder)
+            assert quiet(export_py.main, [src, out, "--type", "q8_0"]) == 0  # (it makes the folder)
         assert open(files[0], "rb").read() == open(files[1], "rb").read()
 
 
@@ -244,15 +244,15 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, monkeypatch):
     small = save_ckpt(random_model(vocab_size=100), tmp_path / "small.pt")
     run, _ = runs["adamw"]
     os.makedirs(tmp_path / "folder.gguf")
-    cases = [(["export", small, str(tmp_path / "a.gguf")], "vocab_size 100"),
-             (["export", run, str(tmp_path / "b.gguf"), "--type", "q4_0"], "--type 'q4_0' is not one of"),
-             (["export", run, str(tmp_path / "hf"), "--type=q8_0"], "--type is for a .gguf file"),
-             (["export", run, str(tmp_path / "folder.gguf")], "is a folder")]
+    cases = [([small, str(tmp_path / "a.gguf")], "vocab_size 100"),
+             ([run, str(tmp_path / "b.gguf"), "--type", "q4_0"], "--type 'q4_0' is not one of"),
+             ([run, str(tmp_path / "hf"), "--type=q8_0"], "--type is for a .gguf file"),
+             ([run, str(tmp_path / "folder.gguf")], "is a folder")]
     for argv, message in cases:
-        assert model_py.main(argv) == 2, argv
+        assert export_py.main(argv) == 2, argv
         assert message in one_line(capsys.readouterr().err)
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed: `import gguf` raises ImportError
-    assert model_py.main(["export", run, str(tmp_path / "c.gguf")]) == 2
+    assert export_py.main([run, str(tmp_path / "c.gguf")]) == 2
     assert "pip install gguf" in one_line(capsys.readouterr().err)
     assert sorted(os.listdir(tmp_path)) == ["folder.gguf", "small.pt"]
 
@@ -262,7 +262,7 @@ def test_written_temp_then_renamed_with_the_umask(runs, tmp_path, capsys, monkey
     out = tmp_path / "m.gguf"
     old = os.umask(0o027)
     try:
-        assert quiet(model_py.main, ["export", run, str(out), "--type", "q8_0"]) == 0
+        assert quiet(export_py.main, [run, str(out), "--type", "q8_0"]) == 0
     finally:
         os.umask(old)
     assert (out.stat().st_mode & 0o777) == 0o640
@@ -271,12 +271,12 @@ def test_written_temp_then_renamed_with_the_umask(runs, tmp_path, capsys, monkey
     def full_disk(self, **kw):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
-    assert model_py.main(["export", run, str(out), "--type", "f32"]) == 1  # the machine's failure: exit 1
+    assert export_py.main([run, str(out), "--type", "f32"]) == 1  # the machine's failure: exit 1
     assert "m.gguf" in one_line(capsys.readouterr().err)
     assert out.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]  # the old file, no temp left
 
 
 def test_help_lists_the_gguf_format(capsys):
-    assert model_py.main(["--help"]) == 0
+    assert export_py.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "export SRC OUT.gguf" in out and "f32, f16 (the default) or q8_0" in out and "pip install gguf" in out
+    assert "export.py SRC OUT.gguf" in out and "f32, f16 (the default) or q8_0" in out and "pip install gguf" in out

@@ -1,4 +1,4 @@
-"""bench/gpu_session.sh, every stage run with SMOKE=1 on the CPU (a tiny model, a few steps), each from nothing
+"""dev/gpu_session.sh, every stage run with SMOKE=1 on the CPU (a tiny model, a few steps), each from nothing
 (no data, a fresh $OUT and $WORK: as on a fresh machine), so that its commands and flags cannot rot before a GPU
 runs them; its time plan; and what the stages need from the quickstart corpus (data_source=python): a val split
 that fits seq_len 1024."""
@@ -14,7 +14,7 @@ from gpt2train.shards import MANIFEST
 from gpt2train import data
 from conftest import ROOT, Launched
 
-SCRIPT = os.path.join(ROOT, "bench", "gpu_session.sh")
+SCRIPT = os.path.join(ROOT, "dev", "gpu_session.sh")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_the_corpus_is_built_by_an_importable_main():
 
 
 def run_stage(stage, tmp_path, timeout=240):
-    """bash bench/gpu_session.sh STAGE with SMOKE=1 and nothing prepared (DATA does not exist yet): (summary.txt,
+    """bash dev/gpu_session.sh STAGE with SMOKE=1 and nothing prepared (DATA does not exist yet): (summary.txt,
     summary.json, $OUT). The script and all it started are killed (by process group) on every path."""
     out = tmp_path / "out"
     env = dict(os.environ, SMOKE="1", OUT=str(out), WORK=str(tmp_path / "work"),

@@ -6,7 +6,7 @@ import os
 
 from conftest import ROOT
 
-COMMANDS = {"train_gpt2", "model", "fineweb", "hellaswag", "sample", "plot", "bench"}
+COMMANDS = {"train_gpt2", "model", "export", "fineweb", "hellaswag", "sample", "plot", "bench"}
 
 
 def modules():
@@ -41,7 +41,7 @@ def graph():
     return {m: imports(p, mods) - {m} for m, p in mods.items()}
 
 
-def test_the_root_holds_the_seven_commands():
+def test_the_root_holds_the_eight_commands():
     assert {m for m in modules() if "." not in m} == COMMANDS
 
 

@@ -90,7 +90,7 @@ def test_trainer_on_cpu_on_purpose_still_trains(fake_smi, tmp_path):
 
 @pytest.mark.parametrize("args", [
     ["sample.py", "--model", "gpt2"],
-    ["bench/hellaswag_bench.py"],
+    ["dev/hellaswag_bench.py"],
     ["bench.py", "--steps", "1"],
 ], ids=["sample", "hellaswag", "bench"])
 def test_every_script_says_the_same_line(fake_smi, args):

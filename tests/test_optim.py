@@ -613,6 +613,6 @@ def test_each_schedule_is_its_shape(kind):
 
 
 def test_the_configs_optimizer_defaults_are_optims():
-    """A script that builds optimizers without a Config (bench.py, bench/muon_counts.py) gets the trainer's Muon."""
+    """A script that builds optimizers without a Config (bench.py, dev/muon_counts.py) gets the trainer's Muon."""
     c = Config()
     assert (c.muon_lr, c.muon_momentum, c.muon_split_qkv) == (optim.MUON_LR, optim.MUON_MOMENTUM, optim.MUON_SPLIT_QKV)

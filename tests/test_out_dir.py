@@ -326,7 +326,7 @@ def test_checkpoints_json_shards_and_the_export_follow_the_umask(tmp_path, mask)
     code, _, err = trainer(args, umask=mask)
     assert code == 0, err
     export = tmp_path / "runs" / "hf"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), "export", str(out / "ckpt_000002.pt"),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), str(out / "ckpt_000002.pt"),
                         str(export)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
                        preexec_fn=lambda: os.umask(mask))
     assert p.returncode == 0, p.stderr

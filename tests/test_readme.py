@@ -128,20 +128,21 @@ def python_files(folder):
 
 
 def test_file_map_is_the_files_on_disk():
-    """The tour's table names files that exist, and every Python file of the root (the seven commands) and of the
+    """The tour's table names files that exist, and every Python file of the root (the eight commands) and of the
     gpt2train/ package is in it: a module added, moved or removed must be told in the README."""
     listed = file_map()
     missing = [p for p in listed if not os.path.exists(os.path.join(ROOT, p.rstrip("/")))]
     assert not missing, f"the README's file map names files that do not exist: {missing}"
-    commands = ["bench.py", "fineweb.py", "hellaswag.py", "model.py", "plot.py", "sample.py", "train_gpt2.py"]
-    assert python_files(".") == commands  # the root holds the seven commands only (issue 30)
+    commands = ["bench.py", "export.py", "fineweb.py", "hellaswag.py", "model.py", "plot.py", "sample.py",
+                "train_gpt2.py"]
+    assert python_files(".") == commands  # the root holds the eight commands only (issues 30, 38)
     unlisted = [p for p in python_files(".") + python_files("gpt2train") if p not in listed]
     assert not unlisted, f"Python files the README's file map does not name: {unlisted}"
 
 
 def test_commands_in_the_docs_name_files_that_exist():
     """Every `python X.py` / `torchrun ... X.py` line in a code block of the README or docs/ runs a script that is
-    there (a benchmark that moved to bench/, say)."""
+    there (a benchmark that moved to dev/, say)."""
     missing = []
     for page in markdown_pages():
         for block in re.findall(r"```(?:bash|python)?\n(.*?)```", read(page), re.S):

@@ -1,4 +1,4 @@
-"""bench/recipe.py --smoke: every phase (AdamW and Muon sweeps, the ablation, the combination) and the report, at
+"""dev/recipe.py --smoke: every phase (AdamW and Muon sweeps, the ablation, the combination) and the report, at
 tiny sizes and 3 steps, through the trainer's step; a second call finds every run in the JSON and runs none.
 
     python -m pytest -q tests/test_recipe_bench.py
@@ -12,14 +12,14 @@ from conftest import ROOT
 
 
 def smoke(results):
-    res = subprocess.run([sys.executable, "bench/recipe.py", "--smoke", f"--results={results}"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "dev/recipe.py", "--smoke", f"--results={results}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=180)  # (subprocess.run kills it at the timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 
 
 def test_smoke_runs_every_phase_and_resumes(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "dev"))
     import recipe
     results = str(tmp_path / "recipe.json")
     out = smoke(results)
@@ -55,7 +55,7 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path):
 def test_budget_ratio_brackets_and_interpolates_in_log_tokens(monkeypatch):
     """A made-up JSON: AdamW's seeds end at 2.0 and 2.2 (target 2.1); Muon at 0.354 of the tokens ends at 2.3 and at
     0.5 at 1.9, so a run fitted into exp(log 0.354 + (log 0.5 - log 0.354) * (2.3 - 2.1) / (2.3 - 1.9)) reaches it."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "dev"))
     import math
     import recipe
     monkeypatch.setitem(recipe.STATE, "sizes", {"small": recipe.SIZES["small"]})

@@ -2,7 +2,7 @@
 Bytes per logit of the chunked loss head (loss.ChunkedCrossEntropy.forward) at 124M shapes, eager against
 compiled, on the H200 plan and the sm75 plan. No GPU and no big memory: run from the project root,
 
-    python bench/loss_head_traffic.py
+    python dev/loss_head_traffic.py
 
 Each plan is counted twice: with the fp32-out weight-gradient matmul (loss.addmm_fp32, aten's addmm with
 out_dtype, which has a meta kernel: counted like any op; fp16 chunks then grow to the memory share) and with the

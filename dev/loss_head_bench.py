@@ -1,8 +1,8 @@
-"""The chunked loss head before and after, on CPU (bench/results/loss_head_cpu.md has the numbers).
+"""The chunked loss head before and after, on CPU (dev/results/loss_head_cpu.md has the numbers).
 
-    python bench/loss_head_bench.py compile MODEL_PY [chunk_rows]   # torch.compile time, 64x1024, tiny model
-    python bench/loss_head_bench.py memory MODEL_PY [chunk_rows]    # eager forward+backward peak, 8x1024
-    python bench/loss_head_bench.py check MODEL_PY                  # loss and gradients against F.cross_entropy
+    python dev/loss_head_bench.py compile MODEL_PY [chunk_rows]   # torch.compile time, 64x1024, tiny model
+    python dev/loss_head_bench.py memory MODEL_PY [chunk_rows]    # eager forward+backward peak, 8x1024
+    python dev/loss_head_bench.py check MODEL_PY                  # loss and gradients against F.cross_entropy
 
 MODEL_PY is a model.py to measure: this tree's, or `git show HEAD:model.py > /tmp/model_before.py`.
 Each mode runs in its own process (maxrss is per process); one thread unless THREADS is set.

@@ -1,11 +1,11 @@
 """
 hellaswag.py's batched, packed scoring against the one-example-at-a-time loop (score_one), examples/s.
 
-    python bench/hellaswag_bench.py                     # a tiny random GPT-2 on 200 synthetic rows
-    python bench/hellaswag_bench.py --model scratch --data data/hellaswag/hellaswag_val.jsonl --compile
-    python bench/hellaswag_bench.py --model scratch --limit 10042 --compile   # synthetic rows
+    python dev/hellaswag_bench.py                     # a tiny random GPT-2 on 200 synthetic rows
+    python dev/hellaswag_bench.py --model scratch --data data/hellaswag/hellaswag_val.jsonl --compile
+    python dev/hellaswag_bench.py --model scratch --limit 10042 --compile   # synthetic rows
 
-Exits 1 when the two disagree on any prediction. Results: bench/README.md.
+Exits 1 when the two disagree on any prediction. Results: dev/README.md.
 """
 import json
 import os
@@ -68,7 +68,7 @@ def bench(model, examples, plan, batch_size):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="bench/hellaswag_bench.py", description="HellaSwag scoring: batched vs one example")
+    p = ArgumentParser(prog="dev/hellaswag_bench.py", description="HellaSwag scoring: batched vs one example")
     p.add_argument("--model", default=None, help="as hellaswag.py's --model; default: a tiny random GPT-2")
     p.add_argument("--data", default=None, help="a local jsonl file in the HellaSwag format; default: synthetic rows")
     p.add_argument("--limit", type=int, default=None, help="the first N examples (synthetic: N rows, default 200)")

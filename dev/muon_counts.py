@@ -3,7 +3,7 @@ Muon's kernel launches and transient memory per step at 124M (meta device) and t
 optim.optimizer_step for each (precision, optimizer) pair (CPU stand-in: aten._local_scalar_dense, a sync
 on CUDA). Run from the project root:
 
-    python bench/muon_counts.py
+    python dev/muon_counts.py
 
 A copy of /work/shared/tools/muon_kernels_and_host_reads.py that also counts the batched matmuls' FLOPs,
 the first step (state created) apart from the next ones, and Muon with found_inf (the trainer's on-device skip).

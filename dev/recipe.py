@@ -1,14 +1,14 @@
 """Issue 33's recipe on CPU: tuned AdamW, today's Muon, each lever on top of Muon, the adopted combination;
 two byte-level models trained to >= 10 tokens per non-embedding parameter.
 
-    python bench/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
-    nice python bench/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget, scaling, transfer
-    python bench/recipe.py --report                  # bench/recipe.md: tables, token ratios, the plot
+    python dev/recipe.py --calibrate               # seconds per run of each candidate size (pick SIZES)
+    nice python dev/recipe.py --phase adamw_sweep  # then muon_sweep, ablate, combo, budget, scaling, transfer
+    python dev/recipe.py --report                  # dev/recipe.md: tables, token ratios, the plot
     # 2 cores: one process a size, each with its own JSON, then one JSON of all:
-    python bench/recipe.py --sizes large --phase all --results /tmp/large.json &
-    python bench/recipe.py --sizes small --phase all --results /tmp/small.json; wait
-    python bench/recipe.py --merge /tmp/small.json /tmp/large.json --report
-    python bench/recipe.py --smoke                   # every phase at a tiny size, 3 steps, into a temp JSON
+    python dev/recipe.py --sizes large --phase all --results /tmp/large.json &
+    python dev/recipe.py --sizes small --phase all --results /tmp/small.json; wait
+    python dev/recipe.py --merge /tmp/small.json /tmp/large.json --report
+    python dev/recipe.py --smoke                   # every phase at a tiny size, 3 steps, into a temp JSON
 
 Each run is the trainer's own step (optim.build_optimizers with the run's keys, optim.accumulate_gradients,
 optim.optimizer_step at optim.lr_multiplier(step, cfg) with Muon's optim.muon_momentum(step, cfg)) on the
@@ -623,7 +623,7 @@ def report(results, md_path):
     plot(results, png)
     adopted = results.get("adopted", {}).get("levers")
     text = ["# Issue 33's recipe on CPU: tuned AdamW, Muon, its levers, the combination", "",
-            f"Written by `python bench/recipe.py --report` from `{os.path.relpath(STATE['results'], HERE)}` "
+            f"Written by `python dev/recipe.py --report` from `{os.path.relpath(STATE['results'], HERE)}` "
             f"(torch {results['meta']['torch']}, {results['meta']['threads']} threads, {STATE['B']} x {STATE['T']} "
             f"bytes a step).", "", f"![val loss against tokens]({os.path.relpath(png, os.path.dirname(md_path))})",
             "", "## Sweeps (seed 0)", "", *sweep_lines(results), "", "## Ablation", "", *ablation_lines(results), "",
@@ -651,8 +651,8 @@ def main(argv=None):
     p.add_argument("--calibrate", action="store_true", help="time each candidate size; project a run's minutes")
     p.add_argument("--adopt", help="combo: these levers (comma-separated names of LEVERS), not the ablation's verdict")
     p.add_argument("--smoke", action="store_true", help="every phase, then the report, tiny sizes, 3 steps, temp files")
-    p.add_argument("--results", help="the JSON (default bench/results/recipe_cpu.json; --smoke: a temp dir's)")
-    p.add_argument("--md", help="the report (default bench/recipe.md; --smoke: beside its JSON)")
+    p.add_argument("--results", help="the JSON (default dev/results/recipe_cpu.json; --smoke: a temp dir's)")
+    p.add_argument("--md", help="the report (default dev/recipe.md; --smoke: beside its JSON)")
     p.add_argument("--sizes", help="only these sizes (comma-separated: small,large): one process a size, each with "
                    "its own --results, on a 2-core CPU")
     p.add_argument("--threads", type=int, default=1)  # on a shared 2-core CPU 1 beats 2 (3x64: 0.22 s vs 0.47 s)

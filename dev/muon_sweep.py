@@ -1,7 +1,7 @@
 """AdamW vs Muon on CPU: val loss against tokens, each at its best lr from a sweep, at two tiny scales.
 
-    nice python bench/muon_sweep.py                 # the sweep; appends each run to bench/results/muon_cpu.json
-    python bench/muon_sweep.py --report             # best runs, token ratio, ms/step, plot (muon_cpu.png)
+    nice python dev/muon_sweep.py                 # the sweep; appends each run to dev/results/muon_cpu.json
+    python dev/muon_sweep.py --report             # best runs, token ratio, ms/step, plot (muon_cpu.png)
 
 Same step as the trainer: one (B, T) batch, then optim.optimizer_step (the trainer's: every group's
 lr = base_lr x the warmup + cosine scale, clip 1.0 over all parameters, each optimizer steps), val loss
