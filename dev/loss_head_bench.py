@@ -53,8 +53,6 @@ def compile_time(mod, chunk_rows, B=64, T=1024):
     torch.manual_seed(0)
     model = tiny_gpt(mod, chunk_rows)
     x, y = torch.randint(0, 50257, (B, T)), torch.randint(0, 50257, (B, T))
-    if hasattr(model, "compile_loss_head"):  # as precision.compile_model does: the head's per-chunk body too
-        model.compile_loss_head()
     compiled = torch.compile(model, dynamic=False)
     first, loss = step(compiled, x, y)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -374,16 +374,23 @@ class CompileWatch(logging.Handler):
 
     def emit(self, record):
         msg = record.getMessage()
-        if msg.startswith("WON'T CONVERT"):  # "WON'T CONVERT forward /path/model.py line 214 ..."
-            where = msg.splitlines()[0][len("WON'T CONVERT "):].strip()
+        found = re.match(r"WON'T CONVERT (\S+) (.+) line (\d+)", msg)  # "WON'T CONVERT forward /x/model.py line 214"
+        if found:
+            name, path, line = found.groups()
             why = one_line(root_error(record.exc_info[1])) if record.exc_info else "see the log above"
-            self.events.append(f"{where} failed to compile and runs eagerly ({why})")
+            self.events.append((f"{name} ({os.path.basename(path)}:{line})", why))
         elif "recompile_limit" in msg or "cache_size_limit" in msg:
-            self.events.append(f"{msg.strip().splitlines()[0][:200]}: the frame runs eagerly from now on")
+            self.events.append((msg.strip().splitlines()[0][:200], "the recompile limit: eager from now on"))
 
     def check(self):
         now = graph_breaks()
-        lines = [f"warning: torch.compile: {e}" for e in self.events]
+        lines, seen = [], {}
+        for where, why in self.events:  # a frame that fails, then each frame it calls (dynamo tries them in turn)
+            seen.setdefault(why, []).append(where)
+        for why, frames in seen.items():
+            inner = f"; so did {len(frames) - 1} frame(s) it calls ({', '.join(frames[1:4])}" + \
+                (", ...)" if len(frames) > 4 else ")") if len(frames) > 1 else ""
+            lines.append(f"warning: torch.compile: {frames[0]} failed to compile and runs eagerly ({why}){inner}")
         lines += [f"warning: torch.compile: a graph break in the model ({why}): it runs as several graphs with "
                   "eager code between them" for why, n in now.items() if n > self.breaks.get(why, 0)]
         self.events, self.breaks = [], now

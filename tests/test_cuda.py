@@ -102,8 +102,8 @@ def test_a_4096_row_fp16_chunk_gives_the_fp32_weight_gradient(monkeypatch):
     would overflow gives the fp32 loss's dL/dW (and dL/dh) within fp16's rounding."""
     loss.fp32_out_matmul.cache_clear()
     assert loss.loss_chunk_rows(4096, 512, 10**12, torch.float16, "cuda:0") == 4096
-    rows, eager = [], loss.chunk_loss_eager
-    monkeypatch.setattr(loss, "chunk_loss_eager", lambda hc, *a, **k: rows.append(hc.size(0)) or eager(hc, *a, **k))
+    rows, eager = [], loss.chunk_loss
+    monkeypatch.setattr(loss, "chunk_loss", lambda hc, *a, **k: rows.append(hc.size(0)) or eager(hc, *a, **k))
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(4096, 64, device="cuda", generator=g)
     h[:, 0] = 20.0  # every row aims at token 0: dL/dW[0, 0] sums 4096 x 20 > 65504
