@@ -377,23 +377,22 @@ class Progress:
     clock_due: bool = False  # a save by the clock (checkpoint_minutes) is due before the next step
     plotted_at: float = -math.inf
     warned_grace: bool = False
+    train_s: float = 0.0  # the optimizer steps' seconds this session (the end-of-run tok/s)
 
 
 def train(run, argv, say):
     """The loop: the periodic work due at a step, then one optimizer step, until max_steps or a stop
-    (a signal, the time limit). Returns the exit code."""
+    (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
     runlog, guard, progress = start(run, say)
     code, signals = 0, catch_stop_signals()
-    for step in range(run.start_step, cfg.max_steps + 1):
-        t_iter, last = time.time(), step == cfg.max_steps
+    for step in range(run.start_step, cfg.max_steps):
+        t_iter = time.time()
         if step != run.evals_done_at:  # (the resumed checkpoint ran this step's already)
-            run_evals(run, step, last, say, runlog, progress)
-            print_samples(run, step, last, say)
-        if checkpoint_due(run, step, last, progress):
+            run_evals(run, step, False, say, runlog, progress)
+            print_samples(run, step, False, say)
+        if checkpoint_due(run, step, False, progress):
             save(run, step, progress, guard, say)
-        if last:
-            break
 
         # one optimizer step: forward/backward over grad_accum micro-batches, then the update
         t0 = time.time()
@@ -412,6 +411,7 @@ def train(run, argv, say):
         why = "" if applied else "inf/nan loss or gradients" if not finite else "outlier"
         log_step(run, step, loss, optim.lrs(run.optimizers), norm, why, dt, progress, say, runlog)
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
+        progress.train_s += dt
         if guard.update(loss, norm, applied):
             raise Diverged(f"the run diverged: {guard.in_a_row} optimizer steps in a row were skipped ({why}), "
                            f"the last at step {step} (newest checkpoint: {progress.newest or 'none'}); {remedy(cfg)}")
@@ -421,8 +421,53 @@ def train(run, argv, say):
             say(f"{reason}: stopped after step {step}, saved {path}; resume with: {env.command(__file__, argv)}")
             code = 128 + stop_signal if stop_signal else 124
             break
+    else:
+        wrap_up(run, progress, guard, say, runlog)
     finish(run, runlog)
+    if code == 0 and env.master:
+        summary(run, progress, say)
     return code
+
+
+def wrap_up(run, progress, guard, say, runlog):
+    """The end of a run that reached max_steps: the final checkpoint first, then what is optional (the last
+    evals, samples and plot), each of which costs a warning when it fails, never the checkpoint or the exit code."""
+    step = run.cfg.max_steps
+    if checkpoint_due(run, step, True, progress):
+        save(run, step, progress, guard, say)
+    if step == run.evals_done_at:  # (the resumed checkpoint ran this step's already)
+        return
+    for what, work in (("the final evaluation", lambda: run_evals(run, step, True, say, runlog, progress)),
+                       ("the end-of-run samples", lambda: print_samples(run, step, True, say))):
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - optional: the run is saved, whatever went wrong here
+            say(f"warning: {what} failed ({type(e).__name__}: {str(e).strip()[:200]}); the run itself is saved"
+                f"{f' in {progress.newest}' if progress.newest else ''}")
+
+
+def summary(run, progress, say):
+    """The end of a finished run (rank 0): its checkpoint, last and best val loss (log.jsonl: the whole run,
+    resumed sessions included), tokens, wall time and tok/s of this session, and the commands to run next."""
+    cfg = run.cfg
+    try:
+        with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+            vals = [(r["val_loss"], r["step"]) for r in map(json.loads, f) if "val_loss" in r]
+    except (OSError, ValueError):
+        vals = []
+    val = (f"val loss {vals[-1][0]:.4f} (best {min(vals)[0]:.4f} at step {min(vals)[1]})" if vals
+           else "no val loss (eval_interval=0)")
+    steps = cfg.max_steps - run.start_step
+    tokens = steps * run.tokens_per_step
+    speed = f"{tokens / progress.train_s:,.0f} tok/s" if progress.train_s > 0 else "n/a tok/s"
+    say(f"done: step {cfg.max_steps} | {val} | {steps} steps, {tokens:,} tokens in "
+        f"{logger.fmt_duration(time.time() - run.started)}, {speed} | checkpoint {progress.newest or 'none'}")
+    if progress.newest:
+        say(f"next: python sample.py --model {cfg.out_dir}          # text from the newest checkpoint\n"
+            f"      python model.py export {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
+            "  # a Hugging Face folder\n"
+            f"      python plot.py {cfg.out_dir}                    # the curves: "
+            f"{os.path.join(cfg.out_dir, 'curves.png')}")
 
 
 def start(run, say):
@@ -561,11 +606,13 @@ def evaluate(run, loader):
 
 
 def sample(run):
-    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
-    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from gpt2train.tokenizer import get_encoding
+    """num_samples top-k continuations of the prompt (an empty one: a new document, after <|endoftext|>, as
+    sample.py). Uses its own generator, seeded afresh each time, so sampling never moves the training RNG
+    (and resumed runs stay bit-exact)."""
+    from gpt2train.tokenizer import EOT, get_encoding
     cfg, device, enc = run.cfg, run.plan.device, get_encoding()
-    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
+    ids = enc.encode_ordinary(cfg.sample_prompt) or [EOT]
+    idx = torch.tensor(ids, dtype=torch.long, device=device)
     idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
     run.raw_model.eval()
