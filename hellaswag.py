@@ -306,7 +306,7 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 
 
 @torch.no_grad()
-def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False):
+def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False, stop=None):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
     summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit
@@ -315,6 +315,8 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     per evaluation set, not once per batch: batch_size packed rows of T tokens (T: this rank's longest
     packed example, rounded up to 16), short examples sharing a row (pack_rows) instead of padding,
     and (4 * batch_size, T') for the 4-row examples.
+    stop: None, or a callable asked before each batch (one process only: ranks hold different batches); when
+    it says True the evaluation ends there and returns {"stopped": True}.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
@@ -341,6 +343,9 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     try:
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
         for batch, is_packed in batches:
+            if stop is not None and stop():
+                bar.close()
+                return {"stopped": True}
             if is_packed:
                 idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch, packed_shape)
                 batch, cut = [ex for row in batch for ex in row], 0
