@@ -53,8 +53,9 @@ class HellaSwagError(UserError):
 # data: rowanz/hellaswag jsonl, one {"ctx": str, "endings": [4 str], "label": int, ...} per line
 
 
-def download_split(split, data_dir=DEFAULT_DIR):
-    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path."""
+def download_split(split, data_dir=DEFAULT_DIR, file_option="--data"):
+    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path. file_option: the calling command's
+    option for a local file, named in the error."""
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
@@ -72,7 +73,7 @@ def download_split(split, data_dir=DEFAULT_DIR):
             os.remove(tmp)
         reason = str(getattr(e, "reason", None) or e).splitlines()[0]
         raise HellaSwagError(f"could not download {url} ({reason}): save that file as {path} "
-                             "yourself, or pass --data FILE.jsonl") from None
+                             f"yourself, or pass {file_option}=FILE.jsonl") from None
     return path
 
 
@@ -103,9 +104,10 @@ def parse_row(line, where, enc):
             "ending_tokens": [enc.encode_ordinary(" " + e) for e in endings]}
 
 
-def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True):
+def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True, file_option="--data"):
     """Tokenized examples of a HellaSwag split (downloaded into data_dir on first use) or of a local
-    jsonl file in the same format. Raises HellaSwagError with a one-line message."""
+    jsonl file in the same format. Raises HellaSwagError with a one-line message, which names the calling
+    command's option for a local file (file_option: hellaswag.py's --data, the trainer's --hellaswag_file)."""
     if data_file is not None:
         path = data_file
         if not os.path.isfile(path):
@@ -121,8 +123,8 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
         if not os.path.isfile(path):
             if not download:
                 raise HellaSwagError(f"{path} is missing: download {URL.format(split=split)} there, "
-                                     "or pass --data FILE.jsonl")
-            path = download_split(split, data_dir)
+                                     f"or pass {file_option}=FILE.jsonl")
+            path = download_split(split, data_dir, file_option)
     enc = get_encoding()
     examples = []
     try:

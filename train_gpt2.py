@@ -353,7 +353,8 @@ def load_hellaswag(cfg, env, startup):
 
     def load():
         try:
-            return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
+            return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True,
+                                           file_option="--hellaswag_file")
         except Exception as e:  # offline, a missing or malformed file: the user's to fix
             raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") \
                 from None
