@@ -193,7 +193,8 @@ def setup(cfg, given, env, say, lock):
     B, T, why, timed = memory.choose_micro_batch(
         raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size, env.world_size,
         fit="micro_batch_size" not in given, shrink_seq="seq_len" not in given and ckpt is None,
-        optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size)  # (auto off CUDA: the default)
+        optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size,  # (auto off CUDA: the default)
+        divide=given.get("micro_batch_size") != "cli")  # a config file's adapts to the ranks, a flag's is kept
     if why:
         say(why)
     memory.set_loss_chunk(raw_model, plan, B, T)  # from the device, never the checkpoint's; before compile
