@@ -64,10 +64,28 @@ def held_steps(out_dir, warn=None):
 def newest_checkpoint(spec, warn=print):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
     readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
-    sample.py and hellaswag.py take a run folder this way."""
+    sample.py, hellaswag.py and model.py export take a run folder this way. A run's folder with no
+    checkpoint yet is one UserError line saying so (not a loader's "no model weights" for a folder)."""
     files = checkpoint_files(spec)
+    if not files and is_run_folder(spec):
+        raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
+                        "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
     held = held_steps(spec, warn) if files else []
     return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
+
+
+def is_run_folder(path):
+    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json with
+    "resolved"), not a save_pretrained directory."""
+    if not os.path.isdir(path):
+        return False
+    if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "resolved" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def read_checkpoint(path):

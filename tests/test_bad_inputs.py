@@ -98,6 +98,12 @@ def paths(tmp_path_factory):
     p["shardsfrom"] = os.path.join(d, "shardsfrom")  # shards made from doc.txt: another source is refused
     assert fineweb.main(["--source", p["doc_txt"], "--out_dir", p["shardsfrom"], "--num_proc", "1"]) == 0
 
+    # a run that has written no checkpoint yet: its config.json (as the trainer writes it) and log.jsonl
+    p["nockpt"] = os.path.join(d, "nockpt")
+    os.makedirs(p["nockpt"])
+    open(os.path.join(p["nockpt"], "config.json"), "w").write(json.dumps({"asked": {}, "resolved": {}, "decided": []}))
+    open(os.path.join(p["nockpt"], "log.jsonl"), "w").write('{"step": 0, "loss": 10.9}\n')
+
     # plot runs
     for name, config in [("badjson", "{not json"), ("badsize", json.dumps({"total_batch_size": "abc"})),
                          ("infsize", '{"total_batch_size": Infinity}')]:
@@ -131,6 +137,9 @@ CASES = [
     ("missing", "sample", ["--model", "{ckpt}", "--prompt_file", "{missing}.txt"], "{missing}.txt"),
     ("missing", "plot", ["{missing}"], "{missing}"),
     ("missing", "export", ["{missing}.pt", "{d}/hf"], "{missing}.pt"),
+    ("missing", "sample", ["--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
+    ("missing", "hellaswag", ["--data", "{rows_jsonl}", "--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
+    ("missing", "export", ["{nockpt}", "{d}/hf"], "no checkpoint in {nockpt} yet"),
     # files where folders are expected, folders where files are
     ("file/folder", "train", train(out_dir="{file_txt}"), "{file_txt}"),
     ("file/folder", "train", train(data_dir="{file_txt}"), "{file_txt}"),
