@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ import torch
 
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
-from gpt2train.fileio import UserError, replacing
+from gpt2train.fileio import DiskFull, UserError, replacing
 from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -231,8 +232,25 @@ def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, d
     with replacing(path) as tmp, open(tmp, "wb") as f:  # never a half-written checkpoint under the real name
         try:
             torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
-        except RuntimeError as e:  # torch's own report of a short write
+        except RuntimeError as e:  # torch's own report of a short write: a full disk, or another I/O error
+            need, free = state_bytes(ckpt), shutil.disk_usage(os.path.dirname(path) or ".").free + f.tell()
+            if free < need:  # (f.tell(): the bytes written so far, freed with the temp file)
+                size = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"  # noqa: E731
+                raise DiskFull(f"No space left on device: the checkpoint needs {size(need)}, {size(free)} are free "
+                               f"there; free {size(need - free)} or choose another out_dir, then run the same "
+                               "command again", path) from None
             raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
+
+
+def state_bytes(obj):
+    """The bytes of the tensors in a (nested) checkpoint dict: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def restore(ckpt, raw_model, optimizers, scaler, loader, device):
