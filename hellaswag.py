@@ -53,8 +53,9 @@ class HellaSwagError(UserError):
 # data: rowanz/hellaswag jsonl, one {"ctx": str, "endings": [4 str], "label": int, ...} per line
 
 
-def download_split(split, data_dir=DEFAULT_DIR):
-    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path."""
+def download_split(split, data_dir=DEFAULT_DIR, file_option="--data"):
+    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path. file_option: the calling command's
+    option for a local file, named in the error."""
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
@@ -72,7 +73,7 @@ def download_split(split, data_dir=DEFAULT_DIR):
             os.remove(tmp)
         reason = str(getattr(e, "reason", None) or e).splitlines()[0]
         raise HellaSwagError(f"could not download {url} ({reason}): save that file as {path} "
-                             "yourself, or pass --data FILE.jsonl") from None
+                             f"yourself, or pass {file_option}=FILE.jsonl") from None
     return path
 
 
@@ -103,9 +104,10 @@ def parse_row(line, where, enc):
             "ending_tokens": [enc.encode_ordinary(" " + e) for e in endings]}
 
 
-def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True):
+def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True, file_option="--data"):
     """Tokenized examples of a HellaSwag split (downloaded into data_dir on first use) or of a local
-    jsonl file in the same format. Raises HellaSwagError with a one-line message."""
+    jsonl file in the same format. Raises HellaSwagError with a one-line message, which names the calling
+    command's option for a local file (file_option: hellaswag.py's --data, the trainer's --hellaswag_file)."""
     if data_file is not None:
         path = data_file
         if not os.path.isfile(path):
@@ -121,8 +123,8 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
         if not os.path.isfile(path):
             if not download:
                 raise HellaSwagError(f"{path} is missing: download {URL.format(split=split)} there, "
-                                     "or pass --data FILE.jsonl")
-            path = download_split(split, data_dir)
+                                     f"or pass {file_option}=FILE.jsonl")
+            path = download_split(split, data_dir, file_option)
     enc = get_encoding()
     examples = []
     try:
@@ -306,7 +308,7 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 
 
 @torch.no_grad()
-def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False):
+def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False, stop=None):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
     summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit
@@ -315,6 +317,8 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     per evaluation set, not once per batch: batch_size packed rows of T tokens (T: this rank's longest
     packed example, rounded up to 16), short examples sharing a row (pack_rows) instead of padding,
     and (4 * batch_size, T') for the 4-row examples.
+    stop: None, or a callable asked before each batch (one process only: ranks hold different batches); when
+    it says True the evaluation ends there and returns {"stopped": True}.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
     "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
@@ -341,6 +345,9 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     try:
         bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
         for batch, is_packed in batches:
+            if stop is not None and stop():
+                bar.close()
+                return {"stopped": True}
             if is_packed:
                 idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch, packed_shape)
                 batch, cut = [ex for row in batch for ex in row], 0

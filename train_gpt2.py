@@ -197,6 +197,7 @@ def setup(cfg, given, env, say, lock):
         raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size, env.world_size,
         fit="micro_batch_size" not in given, shrink_seq="seq_len" not in given and ckpt is None,
         optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size,  # (auto off CUDA: the default)
+        divide=given.get("micro_batch_size") != "cli",  # a config file's adapts to the ranks, a flag's is kept
         loss_impl=cfg.loss_impl)
     if why:
         say(why)
@@ -359,7 +360,8 @@ def load_hellaswag(cfg, env, startup):
 
     def load():
         try:
-            return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True)
+            return hellaswag.load_examples("val", data_file=cfg.hellaswag_file or None, download=True,
+                                           file_option="--hellaswag_file")
         except Exception as e:  # offline, a missing or malformed file: the user's to fix
             raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or --hellaswag_interval=0)") \
                 from None
@@ -383,23 +385,29 @@ class Progress:
     clock_due: bool = False  # a save by the clock (checkpoint_minutes) is due before the next step
     plotted_at: float = -math.inf
     warned_grace: bool = False
+    train_s: float = 0.0  # the optimizer steps' seconds this session (the end-of-run tok/s)
+    at: int = 0  # the step the loop is at
+    saved_step: int = 0  # the step the newest checkpoint holds (0: none)
+    phase: str = "step"  # "step", "eval" or "end" (after the final checkpoint): what a stop signal interrupts
+    signals: list = None  # the stop signals caught (catch_stop_signals)
 
 
 def train(run, argv, say):
     """The loop: the periodic work due at a step, then one optimizer step, until max_steps or a stop
-    (a signal, the time limit). Returns the exit code."""
+    (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
     runlog, guard, progress = start(run, say)
-    code, signals = 0, catch_stop_signals()
-    for step in range(run.start_step, cfg.max_steps + 1):
-        t_iter, last = time.time(), step == cfg.max_steps
+    code, signals = 0, catch_stop_signals(lambda sig: stop_notice(progress, sig) if env.master else None)
+    progress.signals = signals
+    for step in range(run.start_step, cfg.max_steps):
+        t_iter, progress.at = time.time(), step
         if step != run.evals_done_at:  # (the resumed checkpoint ran this step's already)
-            run_evals(run, step, last, say, runlog, progress)
-            print_samples(run, step, last, say)
-        if checkpoint_due(run, step, last, progress):
+            if run_evals(run, step, False, say, runlog, progress):  # a signal cut the evaluation short
+                code = stop(run, step, progress, guard, say, argv, signals[0], in_eval=True)
+                break
+            print_samples(run, step, False, say)
+        if checkpoint_due(run, step, False, progress):
             save(run, step, progress, guard, say)
-        if last:
-            break
 
         # one optimizer step: forward/backward over grad_accum micro-batches, then the update
         t0 = time.time()
@@ -419,17 +427,97 @@ def train(run, argv, say):
         log_step(run, step, loss, optim.lrs(run.optimizers), norm, why, dt, progress, say, runlog)
         compile_notes(run, step, say, runlog)
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
+        progress.train_s += dt
         if guard.update(loss, norm, applied):
             raise Diverged(f"the run diverged: {guard.in_a_row} optimizer steps in a row were skipped ({why}), "
                            f"the last at step {step} (newest checkpoint: {progress.newest or 'none'}); {remedy(cfg)}")
         if stop_signal or out_of_time:
-            path = save(run, step + 1, progress, guard, say, evals_done=False)
-            reason = stop_signal.name if stop_signal else f"time_limit={cfg.time_limit:g} min"
-            say(f"{reason}: stopped after step {step}, saved {path}; resume with: {env.command(__file__, argv)}")
-            code = 128 + stop_signal if stop_signal else 124
+            code = stop(run, step + 1, progress, guard, say, argv, stop_signal)
             break
+    else:
+        code = wrap_up(run, progress, guard, say, runlog)
     finish(run, runlog)
+    if progress.at == cfg.max_steps and env.master:
+        summary(run, progress, say)
     return code
+
+
+def stop(run, step, progress, guard, say, argv, sig, in_eval=False):
+    """A stop before max_steps (sig, or None: the time limit) after step - 1, or in the evaluation at step: step
+    saved (unless the newest checkpoint holds it), the line that says so and how to continue. Returns the exit
+    code."""
+    path = progress.newest if step == progress.saved_step else save(run, step, progress, guard, say, evals_done=False)
+    reason = signal.Signals(sig).name if sig else f"time_limit={run.cfg.time_limit:g} min"
+    where = f" (in the evaluation at step {step})" if in_eval else ""
+    if path:
+        say(f"{reason}: stopped after step {step - 1}{where}, saved {path}; resume with: "
+            f"{run.env.command(__file__, argv)}")
+    else:
+        say(f"{reason}: stopped in the evaluation at step {step}: nothing trained yet, nothing saved")
+    return 128 + sig if sig else 124
+
+
+def stop_notice(progress, sig):
+    """The line the first SIGINT/SIGTERM is answered with at once (the signal handler writes it): what the run
+    does now, and what a second signal costs."""
+    name, step, lost = signal.Signals(sig).name, progress.at, progress.at - progress.saved_step
+    if progress.phase == "end":
+        now, lost = f"the final evaluation stops at its next batch (step {step} is saved)", 0
+    elif progress.phase == "eval":
+        now = f"the evaluation stops at its next batch, then step {step} is saved"
+    else:
+        now, lost = f"finishing step {step}, then step {step + 1} is saved", lost + 1
+    again = "Ctrl-C" if sig == signal.SIGINT else name
+    return (f"{name}: stopping: {now}; {again} again quits at once" +
+            (f" without saving the last {lost} step(s)" if lost > 0 else ""))
+
+
+def wrap_up(run, progress, guard, say, runlog):
+    """The end of a run that reached max_steps: the final checkpoint first, then what is optional (the last
+    evals, samples and plot), each of which costs a warning when it fails, never the checkpoint or the exit
+    code. A signal stops the final evaluation at its next batch. Returns the exit code."""
+    step = progress.at = run.cfg.max_steps
+    if checkpoint_due(run, step, True, progress):
+        save(run, step, progress, guard, say)
+    if step == run.evals_done_at:  # (the resumed checkpoint ran this step's already)
+        return 0
+    progress.phase = "end"
+    for what, work in (("the final evaluation", lambda: run_evals(run, step, True, say, runlog, progress)),
+                       ("the end-of-run samples", lambda: print_samples(run, step, True, say))):
+        try:
+            if work():  # cut short by a signal
+                sig = progress.signals[0]
+                say(f"{signal.Signals(sig).name}: the final evaluation stopped (not logged); the run is saved"
+                    f"{f' in {progress.newest}' if progress.newest else ''}")
+                return 128 + sig
+        except Exception as e:  # noqa: BLE001 - optional: the run is saved, whatever went wrong here
+            say(f"warning: {what} failed ({type(e).__name__}: {str(e).strip()[:200]}); the run itself is saved"
+                f"{f' in {progress.newest}' if progress.newest else ''}")
+    return 0
+
+
+def summary(run, progress, say):
+    """The end of a finished run (rank 0): its checkpoint, last and best val loss (log.jsonl: the whole run,
+    resumed sessions included), tokens, wall time and tok/s of this session, and the commands to run next."""
+    cfg = run.cfg
+    try:
+        with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+            vals = [(r["val_loss"], r["step"]) for r in map(json.loads, f) if "val_loss" in r]
+    except (OSError, ValueError):
+        vals = []
+    val = (f"val loss {vals[-1][0]:.4f} (best {min(vals)[0]:.4f} at step {min(vals)[1]})" if vals
+           else "no val loss (eval_interval=0)")
+    steps = cfg.max_steps - run.start_step
+    tokens = steps * run.tokens_per_step
+    speed = f"{tokens / progress.train_s:,.0f} tok/s" if progress.train_s > 0 else "n/a tok/s"
+    say(f"done: step {cfg.max_steps} | {val} | {steps} steps, {tokens:,} tokens in "
+        f"{logger.fmt_duration(time.time() - run.started)}, {speed} | checkpoint {progress.newest or 'none'}")
+    if progress.newest:
+        say(f"next: python sample.py --model {cfg.out_dir}          # text from the newest checkpoint\n"
+            f"      python export.py {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
+            "  # a Hugging Face folder\n"
+            f"      python plot.py {cfg.out_dir}                    # the curves: "
+            f"{os.path.join(cfg.out_dir, 'curves.png')}")
 
 
 def start(run, say):
@@ -447,6 +535,7 @@ def start(run, say):
                                cfg.wandb_run_name, resumed=run.start_step > 0)
     guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state)
     progress = Progress(run.newest, time.time(), n_params * 12 / 100e6,  # a first guess at a save's seconds
+                        at=run.start_step, saved_step=run.start_step,
                         deadline=run.started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf,
                         timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T))
     return runlog, guard, progress
@@ -522,22 +611,35 @@ def due(every, step, last):
 
 
 def run_evals(run, step, last, say, runlog, progress):
-    """The val loss and HellaSwag due at this step (rank 0 logs them), and curves.png redrawn after them."""
-    cfg = run.cfg
-    if due(cfg.eval_interval, step, last):
-        val_loss = evaluate(run, run.val_loader)
-        say(f"step {step:6d} | val loss {val_loss:.4f}")
-        runlog and runlog.write({"step": step, "val_loss": val_loss})
-    if run.hellaswag and due(cfg.hellaswag_interval, step, last):
-        hellaswag, examples = run.hellaswag
-        res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
-                                 world_size=run.env.world_size, progress=run.env.master)
-        say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
-        runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+    """The val loss and HellaSwag due at this step (rank 0 logs them), and curves.png redrawn after them.
+    Returns True when a stop signal cut an evaluation short (nothing of it logged)."""
+    cfg, phase = run.cfg, progress.phase
+    stop_now = lambda: agree(float(bool(progress.signals)), "max", run.plan.device) > 0  # noqa: E731 - all ranks
+    progress.phase = "eval" if phase == "step" else phase
+    try:
+        if due(cfg.eval_interval, step, last):
+            val_loss = evaluate(run, run.val_loader, stop_now)
+            if val_loss is None:
+                return True
+            say(f"step {step:6d} | val loss {val_loss:.4f}")
+            runlog and runlog.write({"step": step, "val_loss": val_loss})
+        if run.hellaswag and due(cfg.hellaswag_interval, step, last):
+            hellaswag, examples = run.hellaswag
+            res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=run.env.rank,
+                                     world_size=run.env.world_size, progress=run.env.master,
+                                     stop=None if run.env.ddp else stop_now)  # (ranks hold different batches)
+            if res.get("stopped"):
+                return True
+            say(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} "
+                f"({res['n']} examples)")
+            runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"]})
+    finally:
+        progress.phase = phase
     evals = due(cfg.eval_interval, step, last) or run.hellaswag and due(cfg.hellaswag_interval, step, last)
     if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
         plot.refresh(cfg.out_dir, say)  # out_dir/curves.png when matplotlib is installed; never a crash
         progress.plotted_at = time.time()
+    return False
 
 
 def print_samples(run, step, last, say):
@@ -558,12 +660,16 @@ def checkpoint_due(run, step, last, progress):
 
 
 @torch.no_grad()
-def evaluate(run, loader):
-    """Mean loss over val_steps batches from the start of the val split, averaged over ranks."""
+def evaluate(run, loader, stop_now=lambda: False):
+    """Mean loss over val_steps batches from the start of the val split, averaged over ranks; None when
+    stop_now() (asked before each batch, alike on every rank) ends it early."""
     run.model.eval()
     loader.reset()
     total = torch.zeros((), device=run.plan.device)
     for _ in range(run.cfg.val_steps):
+        if stop_now():
+            run.model.train()
+            return None
         x, y = loader.next_batch(run.plan.device)  # (B, T), (B, T)
         with precision.autocast(run.plan):
             _, loss = run.model(x, y)
@@ -575,11 +681,13 @@ def evaluate(run, loader):
 
 
 def sample(run):
-    """num_samples top-k continuations of the prompt. Uses its own generator, seeded afresh each time,
-    so sampling never moves the training RNG (and resumed runs stay bit-exact)."""
-    from gpt2train.tokenizer import get_encoding
+    """num_samples top-k continuations of the prompt (an empty one: a new document, after <|endoftext|>, as
+    sample.py). Uses its own generator, seeded afresh each time, so sampling never moves the training RNG
+    (and resumed runs stay bit-exact)."""
+    from gpt2train.tokenizer import EOT, get_encoding
     cfg, device, enc = run.cfg, run.plan.device, get_encoding()
-    idx = torch.tensor(enc.encode_ordinary(cfg.sample_prompt), dtype=torch.long, device=device)
+    ids = enc.encode_ordinary(cfg.sample_prompt) or [EOT]
+    idx = torch.tensor(ids, dtype=torch.long, device=device)
     idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
     run.raw_model.eval()
@@ -610,6 +718,7 @@ def save(run, step, progress, guard, say, evals_done=True):
         checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch,))
         say(f"step {step:6d} | saved {path}" + (BRANCH_NOTE if step == branch and step < run.cfg.max_steps else ""))
     progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
+    progress.saved_step = step
     note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop costs the step, then a save
     if note and not progress.warned_grace:  # once a run
         progress.warned_grace = True

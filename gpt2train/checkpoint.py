@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ import torch
 
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
-from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing
+from gpt2train.fileio import DiskFull, UserError, missing_dirs, remove_empty_dirs, replacing
 from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -64,10 +65,28 @@ def held_steps(out_dir, warn=None):
 def newest_checkpoint(spec, warn=print):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
     readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
-    sample.py and hellaswag.py take a run folder this way."""
+    sample.py, hellaswag.py and export.py take a run folder this way. A run's folder with no
+    checkpoint yet is one UserError line saying so (not a loader's "no model weights" for a folder)."""
     files = checkpoint_files(spec)
+    if not files and is_run_folder(spec):
+        raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
+                        "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
     held = held_steps(spec, warn) if files else []
     return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
+
+
+def is_run_folder(path):
+    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json with
+    "resolved"), not a save_pretrained directory."""
+    if not os.path.isdir(path):
+        return False
+    if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "resolved" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def read_checkpoint(path):
@@ -244,8 +263,25 @@ def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, d
     with replacing(path) as tmp, open(tmp, "wb") as f:  # never a half-written checkpoint under the real name
         try:
             torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
-        except RuntimeError as e:  # torch's own report of a short write
+        except RuntimeError as e:  # torch's own report of a short write: a full disk, or another I/O error
+            need, free = state_bytes(ckpt), shutil.disk_usage(os.path.dirname(path) or ".").free + f.tell()
+            if free < need:  # (f.tell(): the bytes written so far, freed with the temp file)
+                size = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"  # noqa: E731
+                raise DiskFull(f"No space left on device: the checkpoint needs {size(need)}, {size(free)} are free "
+                               f"there; free {size(need - free)} or choose another out_dir, then run the same "
+                               "command again", path) from None
             raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
+
+
+def state_bytes(obj):
+    """The bytes of the tensors in a (nested) checkpoint dict: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def restore(ckpt, raw_model, optimizers, scaler, loader, device):

@@ -35,6 +35,13 @@ class UserError(Exception):
     """Bad input: every script's main() prints `error: <message>` on one line and exits 2."""
 
 
+class DiskFull(OSError):
+    """ENOSPC whose message already says how much to free: fail() prints it as it is."""
+
+    def __init__(self, message, filename):
+        super().__init__(errno.ENOSPC, message, filename)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, but a usage error (an unknown option, a value of the wrong type, a missing
     argument) is a UserError like any other bad input: one line and exit 2, not a usage block."""
@@ -54,6 +61,8 @@ def fail(e, quiet=False):
     elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder the user chose but cannot write: 2
         what = f"{e.filename}: " if getattr(e, "filename", None) else ""
         message, code = f"{what}{e.strerror or e}; choose a folder you can write to, or change its permissions", 2
+    elif isinstance(e, DiskFull):
+        message, code = f"{e.filename}: {e.strerror}", 1
     else:
         what = f"{e.filename}: " if getattr(e, "filename", None) else ""
         fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"

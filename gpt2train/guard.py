@@ -1,13 +1,14 @@
 """
 What stops a run before max_steps: stop signals, optimizer steps skipped in a row, divergence.
 
-    signals = catch_stop_signals()          # the first SIGINT/SIGTERM is noted: the loop saves and stops
+    signals = catch_stop_signals(notice)    # the first SIGINT/SIGTERM is noted and answered: the loop saves, stops
     guard = Guard(z, max_skipped, state)    # after a step: guard.update(loss, norm, applied) -> stop?
     raise Diverged(f"...; {remedy(cfg)}")   # one line, exit code 3
 
 Imports nothing of the project.
 """
 import math
+import os
 import signal
 from collections import deque
 
@@ -33,18 +34,25 @@ def remedy(cfg):
     return f"lower max_lr{' and muon_lr' if cfg.optimizer == 'muon' else ''} or {clip} and start again"
 
 
-def catch_stop_signals():
+def catch_stop_signals(notice=None):
     """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
-    current optimizer step and saves); a second one raises Stopped wherever the loop is (a save in
-    progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores both
-    once its last checkpoint is written; main() puts the previous handlers back. The handler prints
-    nothing: a print inside it can collide with one in progress."""
+    current optimizer step, or an evaluation at its next batch, and saves) and answered at once with the
+    line notice(signum) returns (None: nothing said); a second one raises Stopped wherever the loop is (a
+    save in progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores
+    both once its last checkpoint is written; main() puts the previous handlers back. The line goes
+    straight to stderr's file descriptor: a print inside a handler can collide with one in progress."""
     got = []
 
     def handler(signum, frame):
         if got:
             raise Stopped(signum)
         got.append(signum)
+        line = notice(signum) if notice else None
+        if line:
+            try:
+                os.write(2, (line + "\n").encode())
+            except OSError:
+                pass
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
     return got

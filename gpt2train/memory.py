@@ -477,7 +477,7 @@ def auto_micro_batch(model, optimizers, seq_len, total_batch_size, world_size, d
 
 
 def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batch_size, world_size=1, fit=True,
-                       shrink_seq=True, optimizer="adamw", warn=print, default=64, loss_impl="auto"):
+                       shrink_seq=True, optimizer="adamw", warn=print, default=64, divide=None, loss_impl="auto"):
     """THE micro-batch (and on small GPUs the sequence length) of a run, decided once the model and its
     optimizers exist and before DDP wraps them: micro_batch="auto" probes the GPU (auto_micro_batch; off
     CUDA it takes default, the config's); otherwise,
@@ -485,8 +485,10 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
     sm7x plans always (plan.fit_to_memory), the others when the configured one does not fit; seq_len is
     shortened only where not even 1 x seq_len fits and shrink_seq allows. Every size is weighed with the
     device's loss-chunk rows (loss_chunk), never the model's own (a checkpoint's: another GPU's), and the chunked
-    head unless loss_impl (the asked one) is "full" (then choose_loss_impl picks the head at B). Returns (B, T,
-    why: a line for the log or "", the model the finder timed (compiled) or None)."""
+    head unless loss_impl (the asked one) is "full" (then choose_loss_impl picks the head at B). One that does
+    not divide total_batch_size over the ranks becomes the largest that does where divide (default: fit; a
+    config file's micro-batch, not the command line's). Returns (B, T, why: a line for the log or "", the model
+    the finder timed (compiled) or None)."""
     timed, config, mode = None, model.config, model.activation_checkpointing
     head = "full" if loss_impl == "full" else "chunked"  # auto: sizes as chunked, full where it fits at the size
     if micro_batch == "auto":
@@ -507,7 +509,7 @@ def choose_micro_batch(model, optimizers, plan, micro_batch, seq_len, total_batc
         why = ""
     tokens = micro_batch * seq_len * world_size
     keeps = dividing_micro_batch(micro_batch, seq_len, total_batch_size, world_size)  # same tokens per step
-    if total_batch_size % tokens and fit and keeps:
+    if total_batch_size % tokens and (fit if divide is None else divide) and keeps:
         why = (f"micro_batch_size={keeps}: the largest up to {micro_batch} whose {keeps} x {seq_len} x {world_size} "
                f"rank(s) divides total_batch_size={total_batch_size} (set micro_batch_size to choose yourself)")
         micro_batch = keeps

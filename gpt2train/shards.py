@@ -58,7 +58,7 @@ def file_kind(path):
         return "txt"
     if ext in DATASET_BUILDERS:
         return DATASET_BUILDERS[ext]
-    raise FineWebError(f"{path}: unsupported file type; --source takes .txt, .md, .py, .jsonl, .json or .parquet "
+    raise FineWebError(f"{path}: unsupported file type; the text read is .txt, .md, .py, .jsonl, .json or .parquet "
                        "files, optionally compressed (.txt.gz/.bz2/.xz, .jsonl.gz/.bz2/.xz/.zst)")
 
 
@@ -100,16 +100,16 @@ def check_sources(paths):
         if not os.path.isfile(path):
             raise FineWebError(f"{path}: not a file or folder")
         if os.path.getsize(path) == 0:
-            raise FineWebError(f"{path} is empty; leave it out of --source")
+            raise FineWebError(f"{path} is empty; leave it out of the files passed")
         if file_kind(path) == "parquet":
             import pyarrow.parquet as pq
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as e:  # pyarrow's errors: a truncated or foreign file
                 raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out "
-                                   "of --source") from None
+                                   "of the files passed") from None
             if rows == 0:  # datasets trips over these
-                raise FineWebError(f"{path} holds no rows; leave it out of --source")
+                raise FineWebError(f"{path} holds no rows; leave it out of the files passed")
 
 
 def sha256_file(path):
@@ -136,13 +136,14 @@ def read_text_file(path):
     except UnicodeDecodeError as e:
         raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
     except (OSError, EOFError, lzma.LZMAError) as e:  # a truncated or corrupt .gz/.bz2/.xz
-        raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of --source") from None
+        raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of the files "
+                           "passed") from None
 
 
 def iter_rows(ds, text_column, where):
     """The text_column of every row of a (streaming) datasets.IterableDataset, checked."""
     if ds.features is not None and not ds.features:
-        raise FineWebError(f"{where} holds no rows; leave it out of --source")
+        raise FineWebError(f"{where} holds no rows; leave it out of the files passed")
     if ds.features is not None and text_column not in ds.features:
         raise FineWebError(f"{where} has no column {text_column!r} (columns: {', '.join(ds.features)}); "
                            "pass --text_column=NAME")

@@ -1,13 +1,18 @@
 """Bad input never ends in a traceback: every script, every family of mistake a user makes by hand.
 
 Each case runs a script's main(argv) in-process and asserts the exit code (2: bad input or usage),
-that nothing printed a traceback, and that the one `error:` line on stderr names the offending input.
+that nothing printed a traceback, that the one `error:` line on stderr names the offending input, and that
+every --option it names is one the command has (its --help's; after `python X.py`, X's).
 A few run through the real entry point (`python script.py ...`) in a subprocess. The files the cases
 point at (good and broken) are made once, in the `paths` fixture; a case names them as {key}.
 """
+import contextlib
+import functools
 import gzip
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +98,12 @@ def paths(tmp_path_factory):
     p["shardsfrom"] = os.path.join(d, "shardsfrom")  # shards made from doc.txt: another source is refused
     assert fineweb.main(["--source", p["doc_txt"], "--out_dir", p["shardsfrom"], "--num_proc", "1"]) == 0
 
+    # a run that has written no checkpoint yet: its config.json (as the trainer writes it) and log.jsonl
+    p["nockpt"] = os.path.join(d, "nockpt")
+    os.makedirs(p["nockpt"])
+    open(os.path.join(p["nockpt"], "config.json"), "w").write(json.dumps({"asked": {}, "resolved": {}, "decided": []}))
+    open(os.path.join(p["nockpt"], "log.jsonl"), "w").write('{"step": 0, "loss": 10.9}\n')
+
     # plot runs
     for name, config in [("badjson", "{not json"), ("badsize", json.dumps({"total_batch_size": "abc"})),
                          ("infsize", '{"total_batch_size": Infinity}')]:
@@ -126,6 +137,9 @@ CASES = [
     ("missing", "sample", ["--model", "{ckpt}", "--prompt_file", "{missing}.txt"], "{missing}.txt"),
     ("missing", "plot", ["{missing}"], "{missing}"),
     ("missing", "export", ["{missing}.pt", "{d}/hf"], "{missing}.pt"),
+    ("missing", "sample", ["--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
+    ("missing", "hellaswag", ["--data", "{rows_jsonl}", "--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
+    ("missing", "export", ["{nockpt}", "{d}/hf"], "no checkpoint in {nockpt} yet"),
     # files where folders are expected, folders where files are
     ("file/folder", "train", train(out_dir="{file_txt}"), "{file_txt}"),
     ("file/folder", "train", train(data_dir="{file_txt}"), "{file_txt}"),
@@ -165,6 +179,7 @@ CASES = [
     ("corrupt", "fineweb", ["--source", "{truncated_txt_gz}", "--out_dir", "{d}/fw", *ONE_PROC], "{truncated_txt_gz}"),
     ("corrupt", "fineweb", ["--source", "{corrupt_txt_bz2}", "--out_dir", "{d}/fw", *ONE_PROC], "{corrupt_txt_bz2}"),
     ("corrupt", "fineweb", ["--verify", "--out_dir", "{badmanifest}"], "{badmanifest}/manifest.json"),
+    ("corrupt", "train", train(data="{corrupt_parquet}", out_dir="{out}"), "{corrupt_parquet}"),
     ("corrupt", "sample", ["--model", "{truncated_pt}"], "{truncated_pt}"),
     ("corrupt", "sample", ["--model", "{foreign}"], "{foreign}"),
     ("corrupt", "export", ["{text_pt}", "{d}/hf"], "{text_pt}"),
@@ -215,6 +230,47 @@ if not torch.cuda.is_available():
     CASES += [("name", "train", train(device="cuda"), "cuda"), ("name", "hellaswag", ["--device", "cuda"], "cuda")]
 
 
+@functools.cache
+def options(script):
+    """The --options a command has: those its --help lists (the trainer's: every config key)."""
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+        try:
+            SCRIPTS[script](["--help"])
+        except SystemExit:  # argparse's --help
+            pass
+    return set(re.findall(r"--(\w+)", out.getvalue())) | {"help"}
+
+
+FILES = {"train_gpt2.py": "train", "fineweb.py": "fineweb", "hellaswag.py": "hellaswag", "bench.py": "bench",
+         "sample.py": "sample", "plot.py": "plot", "export.py": "export"}
+
+
+def foreign_options(line, script, argv=()):
+    """The --options an error line of script names that their command lacks: script's own, and after
+    `python X.py` X's (a command the line recommends, up to a closing backquote); after `torchrun` or `pip`
+    nothing is checked; nor an option argv holds (the user's own, e.g. a mistyped one the line quotes)."""
+    bad, owner, typed = [], script, " ".join(argv)
+    for piece in re.split(r"(python \S+\.py|torchrun|pip install|`)", line):
+        if piece == "`":
+            owner = script
+        elif piece.startswith(("python ", "torchrun", "pip install")):
+            owner = FILES.get(os.path.basename(piece.split()[-1])) if piece.startswith("python ") else None
+        elif owner is not None:
+            bad += [f"--{o}" for o in re.findall(r"(?<![\w-])--(\w+)", piece)
+                    if o not in options(owner) and f"--{o}" not in typed]
+    return bad
+
+
+def test_the_sweep_finds_another_commands_option():
+    assert options("train") >= {"data", "hellaswag_file", "out_dir"} and "source" not in options("train")
+    assert foreign_options("error: x.txt is empty; leave it out of --source", "train") == ["--source"]
+    assert foreign_options("error: x is empty; leave it out of --source", "fineweb") == []
+    assert foreign_options("error: make them with `python fineweb.py --source a`, or --data=X", "train") == []
+    assert foreign_options("error: make them with `python fineweb.py --source a`, or --source", "train") != []
+    assert foreign_options("error: HellaSwag missing: pass --data FILE.jsonl", "train") == []  # the trainer's --data
+    assert foreign_options("error: cannot load HellaSwag: pass --data FILE.jsonl", "sample") == ["--data"]
+
+
 @pytest.mark.parametrize("family, script, argv, names", CASES,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_one_line_naming_it(family, script, argv, names, paths, tmp_path, capsys):
@@ -225,6 +281,21 @@ def test_bad_input_is_one_line_naming_it(family, script, argv, names, paths, tmp
     assert "Traceback" not in out + err
     assert code == 2, (argv, out, err)
     assert names.format(**paths) in one_line(err), (argv, err)
+    assert not foreign_options(one_line(err), script, argv), (argv, err)
+
+
+def test_the_trainers_hellaswag_download_error_names_its_own_option(paths, tmp_path, monkeypatch, capsys):
+    """Offline, no cached split: the trainer's error says --hellaswag_file (its --data is the training text)."""
+    def offline(url, timeout):
+        raise hellaswag.urllib.error.URLError("Name or service not known")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(hellaswag, "load_examples", functools.partial(hellaswag.load_examples,
+                                                                      data_dir=str(tmp_path / "cache")))
+    assert train_gpt2.main(tiny_args(paths["data"], str(tmp_path / "out"), hellaswag_interval=1,
+                                     vocab_size=50304)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "could not download" in line and "--hellaswag_file=FILE.jsonl" in line, line
+    assert not foreign_options(line, "train"), line
 
 
 def test_the_table_covers_every_script_and_family():

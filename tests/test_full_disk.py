@@ -6,9 +6,11 @@ after some bytes went out; one test makes a real write fail, with a file-size li
 import errno
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -47,6 +49,29 @@ def no_debris(d):
 def log_rows(out_dir):
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
     return [{k: v for k, v in r.items() if k not in ("dt_ms", "tok_per_s")} for r in rows]
+
+
+def test_torchs_short_write_on_a_full_disk_says_how_much_to_free(data_dir, tmp_path, monkeypatch, capsys):
+    """torch.save reports a full disk as an internal assert (a RuntimeError, as torch 2.x does when its zip writer
+    meets ENOSPC); with the folder's free space below the checkpoint's size that is one line saying so."""
+    from gpt2train import checkpoint
+    out = str(tmp_path / "run")
+
+    def short_write(obj, f):
+        f.write(b"PK\x03\x04 half a zip")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+    monkeypatch.setattr(torch, "save", short_write)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=1000))
+    assert train_gpt2.main(tiny_args(data_dir, out, max_steps=4, checkpoint_interval=0)) == 1
+    line = one_line(capsys.readouterr().err)
+    m = re.fullmatch(rf"error: {re.escape(os.path.join(out, 'ckpt_000004.pt'))}: No space left on device: the "
+                     r"checkpoint needs ([\d.]+) MB, 0\.0 MB are free there; free ([\d.]+) MB or choose another "
+                     r"out_dir, then run the same command again", line)
+    assert m and float(m[1]) > 0.1 and float(m[2]) > 0.1, line
+    monkeypatch.undo()
+    assert not [f for f in os.listdir(out) if f.startswith("ckpt_")]
+    no_debris(out)
 
 
 def test_checkpoint_on_a_full_disk(data_dir, straight, tmp_path, monkeypatch, capsys):

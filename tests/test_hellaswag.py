@@ -115,6 +115,18 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     assert [r["pred_norm"] for r in res["examples"]] == ref_mean.argmin(dim=1).tolist()
 
 
+def test_stop_ends_the_evaluation_at_its_next_batch(model, examples, monkeypatch):
+    """stop() is asked before each batch: True on the second ends it there (the trainer's Ctrl-C), nothing
+    scored after; the model goes back to its mode."""
+    calls, asked = [], []
+    monkeypatch.setattr(hellaswag, "collate_packed",
+                        lambda b, shape=None: calls.append(len(b)) or collate_packed(b, shape))
+    model.train()
+    res = evaluate(model, examples, plan=CPU, batch_size=4, stop=lambda: asked.append(1) or len(asked) == 2)
+    assert res == {"stopped": True} and calls == [4] and len(asked) == 2 and model.training
+    model.eval()
+
+
 def test_examples_sharing_a_row_score_as_alone(model, examples):
     """Several examples one after the other in a row (the compiled path's packing) see only their own
     context: the losses equal one example per row, with SDPA and with the masked softmax."""

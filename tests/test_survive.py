@@ -121,7 +121,8 @@ def stop_line(stdout):
     """(the step the run stopped after, the checkpoint it saved, the resume command) from its one line."""
     lines = [line for line in stdout.splitlines() if "resume with: " in line]
     assert len(lines) == 1, stdout[-3000:]
-    m = re.search(r"stopped after step (\d+), saved (\S+); resume with: (.*)$", lines[0])
+    m = re.search(r"stopped after step (\d+)(?: \(in the evaluation at step \d+\))?, saved (\S+); resume with: (.*)$",
+                  lines[0])
     return int(m[1]), m[2], shlex.split(m[3])
 
 
@@ -134,6 +135,8 @@ def test_signal_stops_after_a_step_and_resumes_bit_exact(sig, data_dir, tmp_path
     assert "Traceback" not in stderr
     step, path, resume = stop_line(stdout)
     assert f"{sig.name}: stopped after step {step}" in stdout
+    again = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    assert f"{sig.name}: stopping: " in stderr and f"{again} again quits at once" in stderr, stderr[-3000:]
     assert ckpts(out) == [f"ckpt_{step + 1:06d}.pt"] and path == os.path.join(out, ckpts(out)[0])
     assert max(r["step"] for r in rows(out) if "loss" in r) == step  # every step done is in the checkpoint
     assert resume[:2] == [os.path.basename(sys.executable), "train_gpt2.py"] and resume[-1] == "--resume=true"
@@ -178,6 +181,31 @@ def test_torchrun_ctrl_c(data_dir, tmp_path):
     assert "SIGINT: stopped after step" in stdout
     assert ckpts(out) == [f"ckpt_{step + 1:06d}.pt"]
     assert torch.isfinite(load_ckpt(path)["model"]["lm_head.weight"]).all()
+
+def test_signal_during_a_long_eval_is_answered_at_once_and_stops_it(data_dir, straight, tmp_path):
+    """SIGINT while an eval of 100,000 batches runs (step 2's checkpoint resumed: it trains step 2, then
+    evaluates at step 3): a line says so at once, the eval stops at its next batch, step 3 is saved and the run
+    exits 130 within seconds, not after the eval; the printed command continues it as the straight run."""
+    out = copy_run(straight, tmp_path / "run", ["ckpt_000002.pt"], log=False)
+    cmd = [sys.executable, "train_gpt2.py", *straight_args(data_dir, out, val_steps=100000, resume="true")]
+    sent = []
+
+    def send(proc):  # 1 s after step 2's row: inside the eval (~30 s), not between the row and the eval
+        time.sleep(1)
+        sent.append(time.monotonic())
+        proc.send_signal(signal.SIGINT)
+    rc, stdout, stderr = interrupt(cmd, out, tmp_path, send, timeout=60)
+    assert time.monotonic() - sent[0] < 15 and rc == 130, (rc, stderr[-3000:])
+    assert ("SIGINT: stopping: the evaluation stops at its next batch, then step 3 is saved; Ctrl-C again quits "
+            "at once without saving the last 1 step(s)") in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "val_loss" not in open(os.path.join(out, "log.jsonl")).read()
+    step, path, resume = stop_line(stdout)
+    assert "SIGINT: stopped after step 2 (in the evaluation at step 3), saved" in stdout, stdout[-2000:]
+    assert step == 2 and path == os.path.join(out, "ckpt_000003.pt") and os.path.isfile(path)
+
+    assert main(resume[2:] + ["--val_steps=1"]) == 0  # the printed command, with a sane val_steps
+    assert rows(out) == [r for r in rows(straight) if r["step"] >= 2]
+    assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
 
 # -----------------------------------------------------------------------------
 # in this process: a second signal, the time limit

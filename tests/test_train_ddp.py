@@ -133,3 +133,20 @@ def test_two_ranks_take_the_micro_batch_that_keeps_the_tokens_per_step(tmp_path)
                 "= 128: --micro_batch_size=2 keeps 64 tokens per step (or --total_batch_size=128 makes it 128)")
         tail = run.logs().strip().splitlines()[-12:]  # torchrun's summary box, last
         assert any(line in t for t in tail), run.logs()
+
+
+def test_a_config_files_micro_batch_adapts_to_the_ranks(tmp_path):
+    """Issue 39: the quickstart's config file pins micro_batch_size = 8 and torchrun refused it; a micro-batch
+    from a config file (not the command line) now becomes the largest that keeps total_batch_size over the
+    ranks, said once, and the 2-rank run trains."""
+    data = write_shards(str(tmp_path / "data"))
+    config = tmp_path / "pinned.py"
+    config.write_text("micro_batch_size = 4\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py",
+           str(config)] + tiny_args(data, str(tmp_path / "two"), micro_batch_size=None, max_steps=2, eval_interval=0,
+                                    checkpoint_interval=0)
+    with Launched([cmd], tmp_path, env=torchrun_env()) as run:
+        assert run.wait(timeout=180) == [0], run.logs()
+        assert "micro_batch_size=2: the largest up to 4 whose 2 x 16 x 2 rank(s) divides total_batch_size=64" \
+            in run.logs()
+    assert sorted(step_losses(str(tmp_path / "two"))) == [0, 1]
