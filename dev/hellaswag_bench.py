@@ -5,7 +5,11 @@ hellaswag.py's batched, packed scoring against the one-example-at-a-time loop (s
     python dev/hellaswag_bench.py --model scratch --data data/hellaswag/hellaswag_val.jsonl --compile
     python dev/hellaswag_bench.py --model scratch --limit 10042 --compile   # synthetic rows
 
-Exits 1 when the two disagree on any prediction. Results: dev/README.md.
+Reports how often the two agree on the predictions (acc and acc_norm). In fp32 they must agree on every one;
+in bf16/fp16 the batched rows round differently from one example's, so an example whose two best endings score
+within the dtype's rounding can flip: --min_agree (default 0.995 there) is the share below which it exits 1,
+and the flipped examples' margins (the one-at-a-time gap between their two best endings) are printed.
+Results: dev/README.md.
 """
 import json
 import os
@@ -50,7 +54,7 @@ def bench(model, examples, plan, batch_size):
     warm = examples[:chunk_size] if is_compiled(model) else examples[:batch_size]
     evaluate(model, warm, plan=plan, batch_size=batch_size)
     t_loop = t_batch = 0.0
-    same = True
+    flipped = []  # the one-at-a-time margin (nats) of each prediction the batched run gave differently
     for i in range(0, len(examples), chunk_size):
         chunk = examples[i:i + chunk_size]
         t0 = time.perf_counter()
@@ -59,12 +63,19 @@ def bench(model, examples, plan, batch_size):
         res = evaluate(model, chunk, plan=plan, batch_size=batch_size)
         t2 = time.perf_counter()
         t_loop, t_batch = t_loop + t1 - t0, t_batch + t2 - t1
-        same = same and all(r["pred"] == s.argmin().item() and r["pred_norm"] == m.argmin().item()
-                            for r, (s, m) in zip(res["examples"], loop))
+        for r, scores in zip(res["examples"], loop):
+            for key, score in zip(("pred", "pred_norm"), scores):
+                if r[key] != score.argmin().item():
+                    two = score.float().sort().values[:2]
+                    flipped.append((two[1] - two[0]).item())
+    agree = 1 - len(flipped) / (2 * len(examples))
     print(f"one example per forward: {len(examples) / t_loop:8.1f} examples/s")
     print(f"batched ({batch_size:3d} examples{', compiled' if is_compiled(model) else ''}): "
-          f"{len(examples) / t_batch:8.1f} examples/s ({t_loop / t_batch:.1f}x), predictions identical: {same}")
-    return same
+          f"{len(examples) / t_batch:8.1f} examples/s ({t_loop / t_batch:.1f}x)")
+    margins = f"; their one-at-a-time margins: at most {max(flipped):.2e} nats" if flipped else ""
+    print(f"predictions (acc and acc_norm) agreeing: {agree:.2%} ({len(flipped)} of {2 * len(examples)} "
+          f"differ{margins})")
+    return agree
 
 
 def main(argv=None):
@@ -76,6 +87,8 @@ def main(argv=None):
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS, help="as hellaswag.py's")
     p.add_argument("--batch_size", type=int, default=16, help="examples (4 rows each) per forward pass")
     p.add_argument("--compile", action="store_true", help="torch.compile the model first (as in training)")
+    p.add_argument("--min_agree", type=float, default=None,
+                   help="the share of predictions that must agree, else exit 1 (default: 1 in fp32, 0.995 in 16-bit)")
     try:
         args = p.parse_args(argv)
         plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=args.compile)
@@ -100,7 +113,12 @@ def main(argv=None):
         return fail(e)
     print(f"benchmark: {len(examples)} examples on {plan.device}, {torch.get_num_threads()} threads, "
           f"{plan.describe()}")
-    return 0 if bench(model, examples, plan, args.batch_size) else 1
+    need = args.min_agree if args.min_agree is not None else 1.0 if plan.dtype == torch.float32 else 0.995
+    agree = bench(model, examples, plan, args.batch_size)
+    if agree < need:
+        print(f"error: {agree:.2%} of the predictions agree, below --min_agree={need}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -463,3 +463,31 @@ def test_download_is_cached(tmp_path, monkeypatch):
     again = load_examples("train", data_dir=str(tmp_path))
     assert urls == ["https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_train.jsonl"]
     assert first == again and len(first) == 3 and os.listdir(tmp_path) == ["hellaswag_train.jsonl"]
+
+# -----------------------------------------------------------------------------
+# dev/hellaswag_bench.py: the agreement it reports and the tolerance it exits on
+
+
+def test_hellaswag_bench_reports_agreement_and_fails_only_below_its_tolerance(capsys, monkeypatch):
+    """fp32 on CPU: every prediction agrees (exit 0); a tolerance no run can meet exits 1 with one line saying
+    the share; a flipped prediction (the batched run's acc changed for one example) is counted with its margin."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hellaswag_bench", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev", "hellaswag_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--limit", "3", "--device", "cpu"]) == 0
+    assert "predictions (acc and acc_norm) agreeing: 100.00% (0 of 6 differ)" in capsys.readouterr().out
+    assert bench.main(["--limit", "3", "--device", "cpu", "--min_agree", "1.01"]) == 1
+    assert "error: 100.00% of the predictions agree, below --min_agree=1.01" in capsys.readouterr().err
+    real = bench.evaluate
+
+    def one_flipped(*args, **kwargs):
+        res = real(*args, **kwargs)
+        res["examples"][0]["pred"] = (res["examples"][0]["pred"] + 1) % 4
+        return res
+    monkeypatch.setattr(bench, "evaluate", one_flipped)
+    assert bench.main(["--limit", "3", "--device", "cpu", "--min_agree", "0.8"]) == 0  # 5 of 6 = 83%
+    out = capsys.readouterr().out
+    assert "agreeing: 83.33% (1 of 6 differ; their one-at-a-time margins: at most " in out
+    assert bench.main(["--limit", "3", "--device", "cpu"]) == 1  # fp32's default: all must agree
