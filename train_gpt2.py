@@ -204,7 +204,7 @@ def setup(cfg, given, env, say, lock):
     loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)  # before compile: it is in the graph
 
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus), checked for B x T; compile, DDP
-    data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env), env, startup)
+    data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env, ckpt), env, startup)
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # the compiler failed: eager from here
         loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)
@@ -296,11 +296,14 @@ def extras(cfg, model, say):
     return {}
 
 
-def prepare_data(cfg, out_dir, B, T, env):
+def prepare_data(cfg, out_dir, B, T, env, ckpt=None):
     """The shard folder the run reads (data.prepare: rank 0 builds, the others check they see it), each split
-    holding a batch of the chosen B x T on every rank."""
+    holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained on is kept when the
+    text changed."""
+    resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]} \
+        if ckpt is not None and isinstance(ckpt.get("loader"), dict) else None
     data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
-                            build=env.master, text_column=cfg.text_column)
+                            build=env.master, text_column=cfg.text_column, resume=resume)
     for split in ("train", "val"):
         shard_paths(data_dir, split)  # (one line if not)
     return data_dir
