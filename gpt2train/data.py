@@ -34,7 +34,7 @@ from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replaci
 
 def shard_paths(data_dir, split):
     """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
-    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}`, or train on your text with --data=PATH"
+    how = making_hint(data_dir)
     if os.path.isfile(data_dir):
         raise UserError(f"data_dir {data_dir!r} is a file; data_dir is a folder of token shards: "
                         f"to train on the text in that file, use --data={data_dir}")
@@ -44,6 +44,23 @@ def shard_paths(data_dir, split):
     if not paths:
         raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
     return paths
+
+
+def making_hint(data_dir):
+    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one that made it,
+    with --val_fraction when shard 0 was its only val, so that both splits come out), or --data."""
+    text = "or train on your text with --data=PATH"
+    try:
+        manifest = shards.load_manifest(data_dir) if os.path.isdir(data_dir) else None
+    except UserError:  # not fineweb.py's manifest: fineweb.py refuses that folder
+        manifest = None
+    if manifest is not None:
+        fix = {"val_fraction": 0.1} if manifest["settings"].get("val_fraction") is None else {}
+        return f"make them with `{shards.repair_command(data_dir, **fix)}`, {text}"
+    if shards.loose_shards(data_dir) or os.path.exists(os.path.join(data_dir, shards.MANIFEST)):
+        return ("make the shards in a new folder with `python fineweb.py --source YOUR_FILES --val_fraction 0.1 "
+                f"--out_dir NEW_FOLDER`, {text}")
+    return f"make the token shards with `python fineweb.py --out_dir {data_dir}`, {text}"
 
 
 def has_shards(data_dir):
