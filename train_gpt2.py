@@ -136,6 +136,7 @@ class Run:
     hellaswag: tuple  # (the hellaswag module, its examples) or None
     started: float  # time.time() at start-up: time_limit counts from here
     watch: object  # precision.CompileWatch when the plan compiles: a graph that runs eagerly is said, never silent
+    kept: tuple = ()  # wsd's cooldown-start steps of the shorter plans this run was extended from: never pruned
 
     @property
     def B(self):  # micro-batch rows per rank, as chosen (memory.choose_micro_batch): its one home is cfg
@@ -172,9 +173,12 @@ def setup(cfg, given, env, say, lock):
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
     if checkpoint.finished(ckpt, cfg.max_steps):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
-            f"raise --max_steps to train on, or choose another --out_dir")
+            f"raise --max_steps to train on (how the lr schedule goes on: docs/training.md, 'Extending a run'), or "
+            "choose another --out_dir")
         return None
     cfg = dataclasses.replace(cfg, **overrides)  # the checkpoint's keys, once: from here on cfg is what runs
+    if ckpt is not None:  # max_steps raised: how the lr schedule goes on, said
+        say_extension(cfg, ckpt, out_dir, say)
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
     if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses the graphs
         precision.use_compile_cache(cache)
@@ -227,7 +231,7 @@ def setup(cfg, given, env, say, lock):
                start_step=ckpt["step"] if ckpt else 0, evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started,
-               watch=precision.CompileWatch() if plan.compile else None)
+               watch=precision.CompileWatch() if plan.compile else None, kept=kept_branches(cfg, ckpt))
 
 
 def resume_point(cfg, given, env, device, lock, say):
@@ -246,6 +250,30 @@ def resume_point(cfg, given, env, device, lock, say):
                             "put out_dir on a filesystem every node sees, or copy the newest ckpt_*.pt to every "
                             "node's out_dir")
     return out_dir, ckpt, overrides
+
+
+def kept_branches(cfg, ckpt):
+    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the checkpoint's own list
+    and, when max_steps grew, the cooldown start of the max_steps it was planned for (say_extension offers it)."""
+    if ckpt is None:
+        return ()
+    planned = ckpt.get("config", {}).get("max_steps")
+    old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned)) if isinstance(planned, int) else None
+    return tuple(sorted({*ckpt.get("kept", ()), *([old] if old is not None else [])} - {optim.cooldown_start(cfg)}))
+
+
+def say_extension(cfg, ckpt, out_dir, say):
+    """A resume with max_steps above the checkpoint's: one note on how the lr schedule goes on (optim.extension_note),
+    naming wsd's kept cooldown-start checkpoint when the run is past it."""
+    planned = ckpt.get("config", {}).get("max_steps")
+    if not isinstance(planned, int):
+        return
+    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    path = checkpoint.checkpoint_path(out_dir, branch) if branch is not None else None
+    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
+    note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
+    if note:
+        say(note)
 
 
 def place_model(cfg, given, ckpt, seq_len, plan, env, say):
@@ -715,10 +743,10 @@ def save(run, step, progress, guard, say, evals_done=True):
     path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
     checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
                                run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
-                               guard=guard.state_dict())
+                               guard=guard.state_dict(), kept=list(run.kept))
     if run.env.master:
         branch = optim.cooldown_start(run.cfg)
-        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch,))
+        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch, *run.kept))
         say(f"step {step:6d} | saved {path}" + (BRANCH_NOTE if step == branch and step < run.cfg.max_steps else ""))
     progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
     progress.saved_step = step
