@@ -603,15 +603,15 @@ def finish(run, runlog):
 
 
 def log_step(run, step, loss, lrs, norm, why, dt, progress, say, runlog):
-    """The step's console line (rank 0: each optimizer's lr, AdamW's first), its log.jsonl row, and after the
-    first step the memory line."""
+    """The step's console line (rank 0: each optimizer's base lr, optim.lrs, named when there are two), its
+    log.jsonl row, and after the first step the memory line."""
     cfg = run.cfg
     tok_per_s = run.tokens_per_step / dt
     mfu = precision.estimate_mfu(progress.flops_per_token, tok_per_s / run.env.world_size, run.plan.device_name,
                                  run.plan.dtype, run.plan.tf32)
     eta = progress.timer.eta(dt, cfg.max_steps - step - 1)
     skipped = why and f" (skipped: {why})"
-    shown = "/".join(f"{lr:.2e}" for lr in lrs)  # AdamW's, then Muon's
+    shown = f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}" if len(lrs) > 1 else f"{lrs[0]:.2e}"  # the base lrs
     say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {shown} | norm {norm:.3f}{skipped} | "
         f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
         f"ETA {logger.fmt_duration(eta)}")

@@ -337,8 +337,14 @@ def muon_momentum(step, cfg):
 
 
 def lrs(optimizers):
-    """Each optimizer's lr as it last stepped (its first group's), for the step line: [AdamW's, Muon's]."""
-    return [opt.param_groups[0]["lr"] for opt in optimizers]
+    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's (max_lr x the schedule;
+    its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times it), Muon's (muon_lr x the schedule)]."""
+    out = []
+    for opt in optimizers:
+        group = opt.param_groups[0]
+        base = group.get("base_lr", group["lr"])
+        out.append(group["lr"] / base * opt.defaults["lr"] if base else group["lr"])
+    return out
 
 
 # -----------------------------------------------------------------------------
