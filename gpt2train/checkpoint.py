@@ -331,13 +331,13 @@ def _process_start(pid):
     return ""
 
 
-BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS}
+BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}  # (no permission, read-only: fileio.fail says it, exit 2)
 
 
 def make_out_dir(out_dir):
-    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder of this user's: a
-    file on the way (--out_dir=my_book.txt/run), a read-only or virtual filesystem (/proc/x), no permission. A full
-    disk or an I/O error stays an OSError (exit 1)."""
+    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file on the way
+    (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a read-only filesystem stays the
+    OSError fileio.fail answers with exit 2; a full disk or an I/O error, exit 1."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
