@@ -212,7 +212,7 @@ def setup(cfg, given, env, say, lock):
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # the compiler failed: eager from here
         loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)
-    train_loader, val_loader = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
+    train_loader, val_loader, val_steps = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
         say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
@@ -222,7 +222,7 @@ def setup(cfg, given, env, say, lock):
                    out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
                    **({"data_source": "fineweb"} if cfg.data else {}),  # --data's cache: fineweb.py's shards
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
-                   micro_batch_size=B, seq_len=T, loss_impl=loss_impl)
+                   micro_batch_size=B, seq_len=T, loss_impl=loss_impl, val_steps=val_steps)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
     return Run(cfg=resolved, env=env, plan=plan, grad_accum=resolved.total_batch_size // (B * T * env.world_size),
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
@@ -338,16 +338,19 @@ def prepare_data(cfg, out_dir, B, T, env, ckpt=None):
 
 
 def make_loaders(cfg, data_dir, B, T, env, vocab_size, say):
-    """(the train loader, the val loader or None when evals are off); a note when val_steps reads rows twice."""
+    """(the train loader, the val loader or None when evals are off, the val_steps an eval runs): val_steps is
+    capped to the val split, said in one line, so that no row counts twice (a mistyped --val_steps=100000 read the
+    split over and over)."""
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, vocab_size, cfg.shuffle, cfg.seed)
     if cfg.eval_interval == 0:
-        return train_loader, None
+        return train_loader, None, cfg.val_steps
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, vocab_size, shuffle=False)
-    if cfg.val_steps * B * env.world_size > val_loader.n_rows:
-        say(f"note: val_steps={cfg.val_steps} reads {cfg.val_steps * B * env.world_size} rows of {T} + 1 tokens, the "
-            f"val split holds {val_loader.n_rows}: some rows count twice in the val loss; "
-            f"--val_steps={max(1, val_loader.n_rows // (B * env.world_size))} reads each at most once")
-    return train_loader, val_loader
+    rows, most = cfg.val_steps * B * env.world_size, max(1, val_loader.n_rows // (B * env.world_size))
+    if cfg.val_steps > most:
+        say(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val split holds "
+            f"{val_loader.n_rows:,}: evaluating val_steps={most} instead ({most * B * env.world_size:,} rows, each "
+            "at most once)")
+    return train_loader, val_loader, min(cfg.val_steps, most)
 
 
 def choose_loss_head(raw_model, plan, cfg, B, T, env, say):
