@@ -11,7 +11,8 @@ FineWeb-Edu -> GPT-2 token shards for the trainer.
 The token stream is [EOT] + encode_ordinary(doc) for every document, in source order (EOT = 50256,
 <|endoftext|>). It is cut into shards of exactly --shard_size tokens, the remainder in the last one:
 {out_dir}/{prefix}_{split}_{index:06d}.npy, 1-D uint16 written with np.save (np.load / mmap_mode="r"),
-shard 0 is "val", the rest "train". With --val_fraction F instead, every shard-sized chunk i of the
+shard 0 is "val", the rest "train" (a source under one shard, all val, is refused: use --val_fraction).
+With --val_fraction F instead, every shard-sized chunk i of the
 stream is split in two: its first ceil(F x n) tokens are {prefix}_val_{i:06d}.npy, the rest
 {prefix}_train_{i:06d}.npy, so the val split is F of the tokens, sampled evenly along the stream.
 manifest.json beside them records the tokenizer, the source and settings, and each shard's token

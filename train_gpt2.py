@@ -136,6 +136,7 @@ class Run:
     hellaswag: tuple  # (the hellaswag module, its examples) or None
     started: float  # time.time() at start-up: time_limit counts from here
     watch: object  # precision.CompileWatch when the plan compiles: a graph that runs eagerly is said, never silent
+    kept: tuple = ()  # wsd's cooldown-start steps of the shorter plans this run was extended from: never pruned
 
     @property
     def B(self):  # micro-batch rows per rank, as chosen (memory.choose_micro_batch): its one home is cfg
@@ -172,9 +173,12 @@ def setup(cfg, given, env, say, lock):
     out_dir, ckpt, overrides = resume_point(cfg, given, env, device, lock, say)
     if checkpoint.finished(ckpt, cfg.max_steps):
         say(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): nothing to do; "
-            f"raise --max_steps to train on, or choose another --out_dir")
+            f"raise --max_steps to train on (how the lr schedule goes on: docs/training.md, 'Extending a run'), or "
+            "choose another --out_dir")
         return None
     cfg = dataclasses.replace(cfg, **overrides)  # the checkpoint's keys, once: from here on cfg is what runs
+    if ckpt is not None:  # max_steps raised: how the lr schedule goes on, said
+        say_extension(cfg, ckpt, out_dir, say)
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
     if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses the graphs
         precision.use_compile_cache(cache)
@@ -204,11 +208,11 @@ def setup(cfg, given, env, say, lock):
     loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)  # before compile: it is in the graph
 
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus), checked for B x T; compile, DDP
-    data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env), env, startup)
+    data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env, ckpt), env, startup)
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # the compiler failed: eager from here
         loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)
-    train_loader, val_loader = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
+    train_loader, val_loader, val_steps = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
         say(f"resuming from {ckpt['path']} at step {ckpt['step']}")
@@ -218,7 +222,7 @@ def setup(cfg, given, env, say, lock):
                    out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
                    **({"data_source": "fineweb"} if cfg.data else {}),  # --data's cache: fineweb.py's shards
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
-                   micro_batch_size=B, seq_len=T, loss_impl=loss_impl)
+                   micro_batch_size=B, seq_len=T, loss_impl=loss_impl, val_steps=val_steps)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten: the resolved copy
     return Run(cfg=resolved, env=env, plan=plan, grad_accum=resolved.total_batch_size // (B * T * env.world_size),
                raw_model=raw_model, model=model, train_model=train_model, optimizers=optimizers,
@@ -227,7 +231,7 @@ def setup(cfg, given, env, say, lock):
                start_step=ckpt["step"] if ckpt else 0, evals_done_at=checkpoint.evals_done_at(ckpt),
                newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started,
-               watch=precision.CompileWatch() if plan.compile else None)
+               watch=precision.CompileWatch() if plan.compile else None, kept=kept_branches(cfg, ckpt))
 
 
 def resume_point(cfg, given, env, device, lock, say):
@@ -246,6 +250,30 @@ def resume_point(cfg, given, env, device, lock, say):
                             "put out_dir on a filesystem every node sees, or copy the newest ckpt_*.pt to every "
                             "node's out_dir")
     return out_dir, ckpt, overrides
+
+
+def kept_branches(cfg, ckpt):
+    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the checkpoint's own list
+    and, when max_steps grew, the cooldown start of the max_steps it was planned for (say_extension offers it)."""
+    if ckpt is None:
+        return ()
+    planned = ckpt.get("config", {}).get("max_steps")
+    old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned)) if isinstance(planned, int) else None
+    return tuple(sorted({*ckpt.get("kept", ()), *([old] if old is not None else [])} - {optim.cooldown_start(cfg)}))
+
+
+def say_extension(cfg, ckpt, out_dir, say):
+    """A resume with max_steps above the checkpoint's: one note on how the lr schedule goes on (optim.extension_note),
+    naming wsd's kept cooldown-start checkpoint when the run is past it."""
+    planned = ckpt.get("config", {}).get("max_steps")
+    if not isinstance(planned, int):
+        return
+    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    path = checkpoint.checkpoint_path(out_dir, branch) if branch is not None else None
+    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
+    note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
+    if note:
+        say(note)
 
 
 def place_model(cfg, given, ckpt, seq_len, plan, env, say):
@@ -296,27 +324,33 @@ def extras(cfg, model, say):
     return {}
 
 
-def prepare_data(cfg, out_dir, B, T, env):
+def prepare_data(cfg, out_dir, B, T, env, ckpt=None):
     """The shard folder the run reads (data.prepare: rank 0 builds, the others check they see it), each split
-    holding a batch of the chosen B x T on every rank."""
+    holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained on is kept when the
+    text changed."""
+    resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]} \
+        if ckpt is not None and isinstance(ckpt.get("loader"), dict) else None
     data_dir = data.prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
-                            build=env.master, text_column=cfg.text_column)
+                            build=env.master, text_column=cfg.text_column, resume=resume)
     for split in ("train", "val"):
         shard_paths(data_dir, split)  # (one line if not)
     return data_dir
 
 
 def make_loaders(cfg, data_dir, B, T, env, vocab_size, say):
-    """(the train loader, the val loader or None when evals are off); a note when val_steps reads rows twice."""
+    """(the train loader, the val loader or None when evals are off, the val_steps an eval runs): val_steps is
+    capped to the val split, said in one line, so that no row counts twice (a mistyped --val_steps=100000 read the
+    split over and over)."""
     train_loader = TokenLoader(data_dir, "train", B, T, env.rank, env.world_size, vocab_size, cfg.shuffle, cfg.seed)
     if cfg.eval_interval == 0:
-        return train_loader, None
+        return train_loader, None, cfg.val_steps
     val_loader = TokenLoader(data_dir, "val", B, T, env.rank, env.world_size, vocab_size, shuffle=False)
-    if cfg.val_steps * B * env.world_size > val_loader.n_rows:
-        say(f"note: val_steps={cfg.val_steps} reads {cfg.val_steps * B * env.world_size} rows of {T} + 1 tokens, the "
-            f"val split holds {val_loader.n_rows}: some rows count twice in the val loss; "
-            f"--val_steps={max(1, val_loader.n_rows // (B * env.world_size))} reads each at most once")
-    return train_loader, val_loader
+    rows, most = cfg.val_steps * B * env.world_size, max(1, val_loader.n_rows // (B * env.world_size))
+    if cfg.val_steps > most:
+        say(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val split holds "
+            f"{val_loader.n_rows:,}: evaluating val_steps={most} instead ({most * B * env.world_size:,} rows, each "
+            "at most once)")
+    return train_loader, val_loader, min(cfg.val_steps, most)
 
 
 def choose_loss_head(raw_model, plan, cfg, B, T, env, say):
@@ -572,15 +606,15 @@ def finish(run, runlog):
 
 
 def log_step(run, step, loss, lrs, norm, why, dt, progress, say, runlog):
-    """The step's console line (rank 0: each optimizer's lr, AdamW's first), its log.jsonl row, and after the
-    first step the memory line."""
+    """The step's console line (rank 0: each optimizer's base lr, optim.lrs, named when there are two), its
+    log.jsonl row, and after the first step the memory line."""
     cfg = run.cfg
     tok_per_s = run.tokens_per_step / dt
     mfu = precision.estimate_mfu(progress.flops_per_token, tok_per_s / run.env.world_size, run.plan.device_name,
                                  run.plan.dtype, run.plan.tf32)
     eta = progress.timer.eta(dt, cfg.max_steps - step - 1)
     skipped = why and f" (skipped: {why})"
-    shown = "/".join(f"{lr:.2e}" for lr in lrs)  # AdamW's, then Muon's
+    shown = f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}" if len(lrs) > 1 else f"{lrs[0]:.2e}"  # the base lrs
     say(f"step {step:6d}/{cfg.max_steps} | loss {loss:.4f} | lr {shown} | norm {norm:.3f}{skipped} | "
         f"{dt * 1000:.1f} ms | {tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
         f"ETA {logger.fmt_duration(eta)}")
@@ -712,10 +746,10 @@ def save(run, step, progress, guard, say, evals_done=True):
     path = checkpoint.checkpoint_path(run.cfg.out_dir, step)
     checkpoint.save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(run.cfg),
                                run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
-                               guard=guard.state_dict())
+                               guard=guard.state_dict(), kept=list(run.kept))
     if run.env.master:
         branch = optim.cooldown_start(run.cfg)
-        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch,))
+        checkpoint.prune_checkpoints(run.cfg.out_dir, step, run.cfg.keep_last, keep=(branch, *run.kept))
         say(f"step {step:6d} | saved {path}" + (BRANCH_NOTE if step == branch and step < run.cfg.max_steps else ""))
     progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
     progress.saved_step = step

@@ -331,6 +331,26 @@ def _process_start(pid):
     return ""
 
 
+BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}  # (no permission, read-only: fileio.fail says it, exit 2)
+
+
+def make_out_dir(out_dir):
+    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file on the way
+    (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a read-only filesystem stays the
+    OSError fileio.fail answers with exit 2; a full disk or an I/O error, exit 1."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        if e.errno not in BAD_OUT_DIR:
+            raise
+        up = os.path.normpath(out_dir)
+        while up and not os.path.exists(up) and os.path.dirname(up) != up:
+            up = os.path.dirname(up)
+        why = f"{up} is a file, not a folder" if os.path.isfile(up) else \
+            f"{up} allows no new folders ({e.strerror})" if e.errno == errno.ENOENT else f"{e.strerror} ({e.filename})"
+        raise UserError(f"out_dir {out_dir!r} cannot be made: {why}: choose another --out_dir") from None
+
+
 class OutDirLock:
     """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google Drive,
     where fcntl/flock locks may not hold), naming its holder; a thread touches it every HEARTBEAT seconds. Stale,
@@ -364,7 +384,7 @@ class OutDirLock:
         """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a no-op."""
         self.path = os.path.join(out_dir, "run.lock")
         self.made_dirs += missing_dirs(out_dir)  # the folders made for the run: out/my_book, out
-        os.makedirs(out_dir, exist_ok=True)
+        make_out_dir(out_dir)
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)

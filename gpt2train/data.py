@@ -34,7 +34,7 @@ from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replaci
 
 def shard_paths(data_dir, split):
     """Sorted .npy shards of a split ('train' or 'val'), or UserError telling how to make them."""
-    how = f"make the token shards with `python fineweb.py --out_dir {data_dir}`, or train on your text with --data=PATH"
+    how = making_hint(data_dir)
     if os.path.isfile(data_dir):
         raise UserError(f"data_dir {data_dir!r} is a file; data_dir is a folder of token shards: "
                         f"to train on the text in that file, use --data={data_dir}")
@@ -44,6 +44,23 @@ def shard_paths(data_dir, split):
     if not paths:
         raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
     return paths
+
+
+def making_hint(data_dir):
+    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one that made it,
+    with --val_fraction when shard 0 was its only val, so that both splits come out), or --data."""
+    text = "or train on your text with --data=PATH"
+    try:
+        manifest = shards.load_manifest(data_dir) if os.path.isdir(data_dir) else None
+    except UserError:  # not fineweb.py's manifest: fineweb.py refuses that folder
+        manifest = None
+    if manifest is not None:
+        fix = {"val_fraction": 0.1} if manifest["settings"].get("val_fraction") is None else {}
+        return f"make them with `{shards.repair_command(data_dir, **fix)}`, {text}"
+    if shards.loose_shards(data_dir) or os.path.exists(os.path.join(data_dir, shards.MANIFEST)):
+        return ("make the shards in a new folder with `python fineweb.py --source YOUR_FILES --val_fraction 0.1 "
+                f"--out_dir NEW_FOLDER`, {text}")
+    return f"make the token shards with `python fineweb.py --out_dir {data_dir}`, {text}"
 
 
 def has_shards(data_dir):
@@ -177,8 +194,11 @@ class TokenLoader:
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
             missing = [s for s in state.get("shards") or [] if s not in self.identity()["shards"]]
-            what = f"{len(state.get('shards') or [])} shards, {state.get('n_tokens')} tokens" \
-                if key in ("shards", "n_tokens") else f"{key}={theirs[key]!r}, this run {self.identity()[key]!r}"
+            mine = self.identity()
+            what = f"the checkpoint's train split: {len(state.get('shards') or [])} shard(s), " \
+                f"{state.get('n_tokens') or 0:,} tokens; this run's: {len(mine['shards'])} shard(s), " \
+                f"{mine['n_tokens']:,} tokens" if key in ("shards", "n_tokens") else \
+                f"the checkpoint's {key}={theirs[key]!r}, this run {mine[key]!r}"
             what += f"; not here: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
                             "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
@@ -272,10 +292,12 @@ def check_rows(data, cache, T, rows):
                             "micro_batch_size or seq_len")
 
 
-def prepare_own_text(data, cache, T, rows, text_column="text"):
+def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
     """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
     mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
-    cache is built aside and swapped in only when this run can use it: an error leaves nothing behind."""
+    cache is built aside and swapped in only when this run can use it: an error leaves nothing behind.
+    resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are never replaced
+    by other ones (an edited text: text_changed)."""
     files = source_files(data)
     stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
              "text_column": text_column}
@@ -309,10 +331,42 @@ def prepare_own_text(data, cache, T, rows, text_column="text"):
                 tokenize_into(files, tmp, *split_plan(size), text_column)
             print(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
+            if resume is not None:
+                text_changed(data, cache, tmp, resume)
             write_json(os.path.join(tmp, CACHE_FILE), stamp)
     except BaseException:
         remove_empty_dirs(made)
         raise
+
+
+def text_changed(data, cache, new, resume):
+    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on the
+    cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so the run can
+    still continue on them. A text that tokenizes the same (only touched), or a cache the checkpoint was not
+    trained on, passes."""
+    try:
+        old = shards.load_manifest(cache)
+    except UserError:
+        return
+    if old is None:
+        return
+    made = shards.load_manifest(new)
+    if [(s["name"], s["sha256"]) for s in old["shards"]] == [(s["name"], s["sha256"]) for s in made["shards"]]:
+        return
+    state = resume["loader"]
+
+    def train_split(manifest):
+        listed = [s for s in manifest["shards"] if s["split"] == "train"]
+        return sorted(s["name"] for s in listed), sum(s["tokens"] for s in listed)
+    (names, tokens), (new_names, new_tokens) = train_split(old), train_split(made)
+    if state.get("shards") != names or state.get("n_tokens") != tokens:
+        return  # the checkpoint's tokens are not the cache's: nothing of it to keep
+    raise UserError(f"--data={data} changed since {resume['path']} (step {resume['step']}) was trained on it: "
+                    f"the checkpoint's train split is {len(names)} shard(s), {tokens:,} tokens (the earlier text, "
+                    f"still tokenized in {cache}), the text now gives {len(new_names)} shard(s), {new_tokens:,} "
+                    f"tokens: to continue that run, put the earlier text back or resume on its tokens with "
+                    f"--data_dir={cache} in place of --data; to train on the new text, start a new run from its "
+                    f"weights: --init_from={resume['path']} --out_dir=<a new folder>")
 
 
 def tokenize_into(files, out_dir, shard_size, val_fraction, text_column="text"):
@@ -375,14 +429,14 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text"):
+def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text", resume=None):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
-    checked to hold `rows` rows of seq_len + 1 tokens), the quickstart corpus (data_source="python"), or
-    data_dir as it is."""
+    checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint resumed from, when
+    the text changed), the quickstart corpus (data_source="python"), or data_dir as it is."""
     if data:
         cache = own_text_dir(data, out_dir)
         if build:
-            prepare_own_text(data, cache, seq_len, rows, text_column)
+            prepare_own_text(data, cache, seq_len, rows, text_column, resume)
         return cache
     if build and data_source == "python":
         prepare_python_corpus(data_dir)

@@ -8,6 +8,7 @@
 AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the rest
 ("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd): every param
 group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is an lr computed."""
+import dataclasses
 import inspect
 import math
 from contextlib import nullcontext
@@ -290,6 +291,33 @@ def cooldown_start(cfg):
     return max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))
 
 
+def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
+    """The line a resume says when max_steps grew past the `planned` max_steps of the checkpoint (at `step`,
+    ckpt_path): how the schedule goes on, AdamW's base lr from the last step to the next. Re-planned on the new
+    max_steps: wsd resumed before its cooldown goes on flat, exactly as a run planned that long (no jump); a
+    cosine or linear run stretches to the new end and wsd in or after its cooldown goes back to its flat lr, a
+    jump in one step, said with the ways around it (wsd's kept cooldown-start checkpoint, branch_path, or a new
+    run from the weights with its own warmup). None when max_steps did not grow."""
+    if cfg.max_steps <= planned or step < 1 or not cfg.max_lr:
+        return None
+    old = dataclasses.replace(cfg, max_steps=planned)
+    last, now = lr_multiplier(step - 1, old) * cfg.max_lr, lr_multiplier(step, cfg) * cfg.max_lr
+    end = f"down to min_lr={cfg.min_lr:.2e} at step {cfg.max_steps}"
+    shape = f"flat until the cooldown at step {cooldown_start(cfg)}, then {end}" if cfg.lr_schedule == "wsd" \
+        else f"{cfg.lr_schedule} {end}"
+    head = (f"note: max_steps {planned} -> {cfg.max_steps}: the {cfg.lr_schedule} schedule is re-planned for "
+            f"{cfg.max_steps} steps ({shape})")
+    if now <= last * (1 + 1e-6) or now - last <= 1e-12:
+        return f"{head}: AdamW's lr goes on from {last:.2e} to {now:.2e} at step {step}, no jump"
+    ways = (f"resume its cooldown-start checkpoint {branch_path} instead (copy it into a new folder and resume "
+            f"there with --max_steps={cfg.max_steps} --out_dir=<that folder>: exactly a {cfg.max_steps}-step run), or "
+            if branch_path else "")
+    return (f"{head}: AdamW's lr jumps from {last:.2e} (step {step - 1}) to {now:.2e} at step {step}, "
+            f"{now / last if last else math.inf:.1f}x in one step; to avoid the jump, {ways}train on from its "
+            f"weights with a fresh warmup: --init_from={ckpt_path} --out_dir=<a new folder> "
+            f"--max_steps=<the steps to add> (docs/training.md, 'Extending a run')")
+
+
 def decay_fraction(step, cfg):
     """How much of max_lr - min_lr is left at step (warmup_steps <= step < max_steps): 1 -> 0."""
     if cfg.lr_schedule == "wsd":
@@ -309,8 +337,14 @@ def muon_momentum(step, cfg):
 
 
 def lrs(optimizers):
-    """Each optimizer's lr as it last stepped (its first group's), for the step line: [AdamW's, Muon's]."""
-    return [opt.param_groups[0]["lr"] for opt in optimizers]
+    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's (max_lr x the schedule;
+    its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times it), Muon's (muon_lr x the schedule)]."""
+    out = []
+    for opt in optimizers:
+        group = opt.param_groups[0]
+        base = group.get("base_lr", group["lr"])
+        out.append(group["lr"] / base * opt.defaults["lr"] if base else group["lr"])
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -350,10 +350,11 @@ def startup_problems(out_dir):
     return problems
 
 
-def repair_command(out_dir):
+def repair_command(out_dir, **changed):
     """The fineweb.py command that made out_dir's shards, from its manifest: run again, it redoes them from
-    the first one missing or damaged."""
-    settings = load_manifest(out_dir)["settings"]
+    the first one missing or damaged. changed: settings to run it with instead (val_fraction=0.1: the same
+    tokens cut differently, which rebuilds the folder)."""
+    settings = {**load_manifest(out_dir)["settings"], **changed}
     source, opts = settings["source"], []
     if "files" in source:
         opts += ["--source", shlex.quote(source["files"][0]["path"]) + (" ..." if len(source["files"]) > 1 else "")]
@@ -471,10 +472,17 @@ def finish_build(args, settings, shards, total):
     """The manifest of a finished run, marked complete, and the run's last lines."""
     if not shards:
         raise FineWebError("the source holds no documents")
+    if not any(s["split"] == "train" for s in shards):  # the manifest stays incomplete: nothing a trainer can use
+        if args.val_fraction is not None and args.val_fraction <= 0.1:  # (a source of one token)
+            raise FineWebError(f"the source is {total:,} token(s), too few for a train split; add text")
+        why = f"{'less than' if total < args.shard_size else 'exactly'} one --shard_size chunk " \
+            f"({args.shard_size:,}), and shard 0 is val" if args.val_fraction is None else \
+            f"and --val_fraction {args.val_fraction} makes all of it val"
+        raise FineWebError(f"the source is {total:,} tokens, {why}: no train shard, so {args.out_dir} is left "
+                           f"incomplete; run again with --val_fraction 0.1 (the first 10% of every chunk is val): "
+                           f"{repair_command(args.out_dir, val_fraction=0.1)}")
     write_json(os.path.join(args.out_dir, MANIFEST), make_manifest(settings, shards, complete=True))
     print(f"wrote {len(shards)} shards ({total:,} tokens) to {args.out_dir}")
-    if not any(s["split"] == "train" for s in shards):
-        print("warning: only val shards were written; lower --shard_size to get train shards too", file=sys.stderr)
 
 
 def checked_args(args):

@@ -96,7 +96,8 @@ def paths(tmp_path_factory):
     os.makedirs(p["badmanifest"])
     open(os.path.join(p["badmanifest"], "manifest.json"), "w").write('{"tokenizer": ')
     p["shardsfrom"] = os.path.join(d, "shardsfrom")  # shards made from doc.txt: another source is refused
-    assert fineweb.main(["--source", p["doc_txt"], "--out_dir", p["shardsfrom"], "--num_proc", "1"]) == 0
+    assert fineweb.main(["--source", p["doc_txt"], "--out_dir", p["shardsfrom"], "--num_proc", "1",
+                         "--val_fraction", "0.1"]) == 0
 
     # a run that has written no checkpoint yet: its config.json (as the trainer writes it) and log.jsonl
     p["nockpt"] = os.path.join(d, "nockpt")

@@ -133,7 +133,8 @@ def test_state_from_other_data_or_order_is_refused(shards):
     with pytest.raises(UserError, match="seq_len=4, this run 5"):
         TokenLoader(shards, "train", 2, 5, seed=1).load_state_dict(state)
     os.remove(os.path.join(shards, "edufineweb_train_000004.npy"))
-    with pytest.raises(UserError, match="5 shards, .* resume with the data"):
+    with pytest.raises(UserError, match=r"\(the checkpoint's train split: 5 shard\(s\), 215 tokens; this run's: "
+                                        r"4 shard\(s\), 151 tokens; not here: edufineweb_train_000004.npy\): resume"):
         TokenLoader(shards, "train", 2, T, seed=1).load_state_dict(state)
 
 
@@ -199,6 +200,44 @@ def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
     loader = TokenLoader(cache, "train", 4, 32, shuffle=False)
     text = get_encoding().decode(np.concatenate([s for s in loader.shards]).tolist())
     assert "calm" in text and "stormy" not in text
+
+
+def test_an_edited_text_never_replaces_the_tokens_a_resumed_run_trained_on(tmp_path, capsys):
+    """Issue 39 item 9: editing a --data file rewrote its token cache and only then refused the resume (numbers without
+    saying whose), so the old run could not continue. Now the refusal comes before the cache is touched, says whose
+    numbers are whose and the ways on, and the first of them (--data_dir=<the cache>) continues the run; a text only
+    touched (same tokens) resumes as before."""
+    from train_gpt2 import main
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK)
+    run = str(tmp_path / "out" / "run")
+    args = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--seq_len=32", "--micro_batch_size=2",
+            "--total_batch_size=64", "--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0",
+            f"--out_dir={run}", "--resume=auto"]
+    assert main([*args, f"--data={book}", "--max_steps=2"]) == 0
+    cache = data.own_text_dir(str(book), run)
+    made = {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
+    os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched, not changed: resumes
+    assert main([*args, f"--data={book}", "--max_steps=3"]) == 0
+    made.pop(data.CACHE_FILE)
+    capsys.readouterr()
+
+    book.write_text(BOOK.replace("stormy", "calm") + BOOK[:2000])  # edited: other tokens, more of them
+    os.utime(book, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert main([*args, f"--data={book}", "--max_steps=4"]) == 2
+    line = one_line(capsys.readouterr().err)
+    ckpt = os.path.join(run, "ckpt_000003.pt")
+    state = torch.load(ckpt, weights_only=True)["loader"]
+    assert line.startswith(f"error: --data={book} changed since {ckpt} (step 3) was trained on it: the checkpoint's "
+                           f"train split is 1 shard(s), {state['n_tokens']:,} tokens (the earlier text, still "
+                           f"tokenized in {cache}), the text now gives 1 shard(s), "), line
+    assert line.endswith(f"to continue that run, put the earlier text back or resume on its tokens with "
+                         f"--data_dir={cache} in place of --data; to train on the new text, start a new run from its "
+                         f"weights: --init_from={ckpt} --out_dir=<a new folder>"), line
+    assert {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache) if f != data.CACHE_FILE} == made
+    assert sorted(os.listdir(os.path.dirname(cache))) == [os.path.basename(cache)]  # no temp folder left
+    assert main([*args, f"--data_dir={cache}", "--max_steps=4"]) == 0  # the way offered continues the run
+    assert "resuming from" in capsys.readouterr().out and os.path.exists(os.path.join(run, "ckpt_000004.pt"))
 
 
 def test_the_split_is_fixed_by_the_text():

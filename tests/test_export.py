@@ -92,6 +92,13 @@ def test_help_from_the_command_line():
     assert r.returncode == 0 and r.stdout.startswith("usage:") and not r.stderr
 
 
+def test_model_py_export_help_is_the_exports_help():
+    """Issue 39 item 11: `python model.py export --help` exited 2; it is export.py's --help, exit 0."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), "export", "--help"], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "export.py" in r.stdout, r.stdout + r.stderr
+
+
 def test_model_py_export_still_runs_the_export(tmp_path):
     """`python model.py export ...`, the export's old home, runs export.py with the same arguments, said in one note."""
     ckpt = save_ckpt(random_model(), tmp_path / "ckpt_000010.pt")

@@ -417,3 +417,40 @@ def test_shards_and_manifest_follow_the_umask(corpus, tmp_path):
         os.umask(old)
     assert {os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)} == {0o640}
     assert os.stat(out).st_mode & 0o777 == 0o750
+
+
+def test_a_source_under_one_shard_is_refused_with_a_command_that_works(tmp_path, capsys):
+    """Issue 39 item 10: `fineweb.py --source small.txt --out_dir data/book` exited 0 with only a val shard (shard 0
+    is val), and the trainer then recommended `python fineweb.py --out_dir data/book`, which refused that folder.
+    Now the build is one line and exit 2, its manifest left incomplete, naming the command that makes both
+    splits; the trainer's hint on such a folder is that command; run, it makes a folder the trainer reads."""
+    import shlex
+    from gpt2train import data
+    from gpt2train.fileio import UserError
+    text = "It was a dark and stormy night. " * 50
+    small, n = write_txt(tmp_path, [text])[0], len(reference([text]))
+    out = str(tmp_path / "data" / "book")
+    line = run_error(capsys, ["--source", small, "--out_dir", out, "--num_proc", "1"])
+    command = f"python fineweb.py --source {small} --val_fraction 0.1 --out_dir {out}"
+    assert line.startswith(f"error: the source is {n} tokens, less than one --shard_size chunk (100,000,000), and "
+                           f"shard 0 is val: no train shard, so {out} is left incomplete; run again with "
+                           "--val_fraction 0.1"), line
+    assert line.endswith(f": {command}"), line
+    assert json.load(open(os.path.join(out, "manifest.json")))["complete"] is False
+    try:
+        data.shard_paths(out, "train")
+    except UserError as e:
+        assert f"has no train shards (*train*.npy): make them with `{command}`" in str(e), e
+    else:
+        raise AssertionError("no train shards, no error")
+    assert fineweb.main(shlex.split(command)[2:] + ["--num_proc", "1"]) == 0  # what both lines offer works
+    assert json.load(open(os.path.join(out, "manifest.json")))["complete"] is True
+    assert [len(data.shard_paths(out, split)) for split in ("train", "val")] == [1, 1]
+    # a folder of shards fineweb.py did not make (no manifest) is not offered a fineweb.py run on it
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    np.save(loose / "mine_val_000000.npy", np.zeros(10, dtype=np.uint16))
+    try:
+        data.shard_paths(str(loose), "train")
+    except UserError as e:
+        assert f"--out_dir {loose}" not in str(e) and "--out_dir NEW_FOLDER" in str(e), e

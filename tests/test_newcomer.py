@@ -311,9 +311,12 @@ def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
     cache = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]["data_dir"]
     wrote = [line for line in out.splitlines() if line.startswith("wrote ")]
     assert len(wrote) == 1 and wrote[0].endswith(f"tokens) to {cache}"), out  # the cache's name, not its temp's
-    notes = [line for line in out.splitlines() if line.startswith("note: val_steps=500 reads 1000 rows")]
-    assert len(notes) == 1 and "some rows count twice in the val loss" in notes[0], out
     resolved = json.load(open(os.path.join("out", "quickstart-my_book", "config.json")))["resolved"]
+    # issue 39 item 11: a val_steps beyond the val split is capped to it (was a note, and every row read ~14 times)
+    notes = [line for line in out.splitlines() if line.startswith("note: val_steps=500 asks for 1,000 rows")]
+    assert len(notes) == 1 and notes[0].endswith(f"evaluating val_steps={resolved['val_steps']} instead "
+                                                 f"({2 * resolved['val_steps']} rows, each at most once)"), out
+    assert 1 <= resolved["val_steps"] < 500
     assert resolved["data_source"] == "fineweb" and "data_cache" in resolved["data_dir"]
 
     import errno

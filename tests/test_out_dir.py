@@ -385,3 +385,19 @@ def test_the_session_guard_ends_and_reports_a_process_a_test_leaves(tmp_path):
     finally:
         if alive(pid):
             end_processes([pid])
+
+
+def test_an_out_dir_that_cannot_be_a_folder_is_bad_input(data_dir, tmp_path, capsys):
+    """Issue 39 item 11: --out_dir=my_book.txt/run and --out_dir=/proc/x exited 1 (the machine's failure) with
+    NotADirectoryError / FileNotFoundError; they are bad input: one line naming the reason, exit 2, nothing made."""
+    book = tmp_path / "my_book.txt"
+    book.write_text("a book")
+    out = str(book / "run")
+    assert train_gpt2.main(tiny_args(data_dir, out)) == 2
+    assert one_line(capsys.readouterr().err) == (f"error: out_dir {out!r} cannot be made: {book} is a file, not a "
+                                                 "folder: choose another --out_dir")
+    if os.path.isdir("/proc/self"):  # Linux: a virtual filesystem that makes no folders
+        assert train_gpt2.main(tiny_args(data_dir, "/proc/x")) == 2
+        assert one_line(capsys.readouterr().err) == ("error: out_dir '/proc/x' cannot be made: /proc allows no new "
+                                                     "folders (No such file or directory): choose another --out_dir")
+    assert sorted(os.listdir(tmp_path)) == ["my_book.txt"]

@@ -78,7 +78,7 @@ def test_wsd_keeps_the_cooldowns_start_and_a_longer_run_continues_from_it_exactl
     assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
 
 
-def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch):
+def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch, capsys):
     """Every group of every optimizer steps at its base_lr x optim.lr_multiplier(step) (here the real one x 0.5,
     so an lr computed anywhere else would show), for each schedule; Muon's momentum is optim.muon_momentum(step);
     log.jsonl shows each optimizer's lr."""
@@ -104,8 +104,12 @@ def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch):
                 assert lr == base * 0.5 * real(step, cfg), (kind, step, name)
                 assert name == "AdamW" or momentum == optim.muon_momentum(step, cfg)
         logged = [e for e in read_log(out) if "loss" in e]
-        assert [e["lr"] for e in logged] == [groups[0][2] for groups in seen]
-        assert [e["muon_lr"] for e in logged] == [groups[-1][2] for groups in seen]
+        # the base lrs (issue 39 item 11: "lr" was the embeddings' group's, embed_lr_mult x max_lr)
+        assert [e["lr"] for e in logged] == pytest.approx([cfg.max_lr * 0.5 * real(s, cfg) for s in range(8)])
+        assert [e["muon_lr"] for e in logged] == pytest.approx([cfg.muon_lr * 0.5 * real(s, cfg) for s in range(8)])
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ") and "| loss" in line]
+        assert [line.split(" | ")[2] for line in said] == [f"lr adamw {e['lr']:.2e} muon {e['muon_lr']:.2e}"
+                                                           for e in logged]
     assert seen[0][-1][3] == 0.85 and seen[-1][-1][3] == pytest.approx(0.95)
 
 

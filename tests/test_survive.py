@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,6 +188,12 @@ def test_signal_during_a_long_eval_is_answered_at_once_and_stops_it(data_dir, st
     evaluates at step 3): a line says so at once, the eval stops at its next batch, step 3 is saved and the run
     exits 130 within seconds, not after the eval; the printed command continues it as the straight run."""
     out = copy_run(straight, tmp_path / "run", ["ckpt_000002.pt"], log=False)
+    # the same train shards and a val split 6,000 times as long, its head the same (val_steps is capped to the split)
+    long_val = str(tmp_path / "long_val")
+    shutil.copytree(data_dir, long_val)
+    val = np.load(os.path.join(data_dir, "toy_val_000000.npy"))
+    np.save(os.path.join(long_val, "toy_val_000000.npy"), np.tile(val, 6000))
+    data_dir = long_val
     cmd = [sys.executable, "train_gpt2.py", *straight_args(data_dir, out, val_steps=100000, resume="true")]
     sent = []
 
