@@ -252,6 +252,9 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
             settings = {**settings, **change}
         trials.append(settings)
     best = None  # the index of the row the options build on: the last core row that ran, then faster options
+    if verbose:
+        print("timing the core rungs from the trainer's stack down to fp32 (a run cut off keeps what matters most; "
+              "the table is in ladder order):", file=sys.stderr)
     try:
         for i in [i for i, r in enumerate(rungs) if not r[-1]][::-1]:
             if time_row(rows[i], trials[i], rungs[i], *job):
@@ -259,6 +262,8 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
             fill_speedups(rows, rungs)
             on_row and on_row(rows)
         settings = trials[best] if best is not None else dict(BASELINE, micro_batch=micro_batch)
+        if verbose and any(r[-1] for r in rungs):
+            print("then the options, each kept only if faster than the best so far:", file=sys.stderr)
         for i in (i for i, r in enumerate(rungs) if r[-1]):  # options: kept only when faster than the best so far
             trial = {**settings, **rungs[i][1]}
             if time_row(rows[i], trial, rungs[i], *job):

@@ -147,7 +147,7 @@ def iter_rows(ds, text_column, where):
     if ds.features is not None and text_column not in ds.features:
         raise FineWebError(f"{where} has no column {text_column!r} (columns: {', '.join(ds.features)}); "
                            "pass --text_column=NAME")
-    row = 0
+    row = 1  # rows count from 1, as hellaswag.py's and an editor's lines do
     for batch in ds.iter(batch_size=1000):
         texts = batch.get(text_column)
         if texts is None:

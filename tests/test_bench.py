@@ -35,6 +35,10 @@ def test_quick_ladder_runs_every_rung_or_says_why(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
     assert len(rows) == len(RUNG_PREFIXES) + len(OPTIONS_CPU)
+    progress = [line for line in r.stderr.splitlines() if line.startswith(("timing", "then", "  "))]
+    assert progress[0].startswith("timing the core rungs from the trainer's stack down to fp32")
+    assert progress[1].startswith("  +loss head: ") and progress[8].startswith("  fp32: ")  # as the first line says
+    assert progress[9].startswith("then the options") and progress[10].startswith("  attention kernels: ")
     assert [row["name"] for row in rows[len(RUNG_PREFIXES):]] == OPTIONS_CPU  # --quick is micro-batch 4
     for row, prefix in zip(rows, RUNG_PREFIXES + OPTIONS_CPU):
         assert row["name"].startswith(prefix)
