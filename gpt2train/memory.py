@@ -309,13 +309,11 @@ def search_micro_batch(usage, measure, step, max_micro_batch=None, headroom=0.1)
             used[b] = usage(b)
         return used[b] is not None and used[b] <= 1 - headroom
 
-    pool = [b for b in divisors if b % 8 == 0]
+    pool, note = [b for b in divisors if b % 8 == 0], ""
     k = largest_fitting(pool, fits)
-    note = ""
     if k is None:
-        pool = [b for b in divisors if b % 8]
+        pool, note = [b for b in divisors if b % 8], "; no multiple of 8 fits"
         k = largest_fitting(pool, fits)
-        note = "; no multiple of 8 fits"
     if k is None:
         raise ValueError(f"no micro-batch fits in {1 - headroom:.0%} of memory at seq_len {step.seq_len} "
                          f"(tried {sorted(used)}); shorten seq_len or use a smaller model")
@@ -352,8 +350,6 @@ def largest_fitting(pool, fits):
         else:
             hi = mid - 1
     return best
-
-
 
 
 def probe_steps(model, optimizers, micro_batch, seq_len, plan, steps):
