@@ -43,9 +43,9 @@ from gpt2train import precision
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from gpt2train.distributed import agree
-from gpt2train.memory import (activation_bytes_estimate, auto_micro_batch, choose_loss_impl, estimated_micro_batch,
-                              fmt_bytes, free_memory, optimizer_state_tensors, param_counts, random_batch,
-                              set_loss_head, tensor_bytes, training_bytes_estimate)
+from gpt2train.memory import (Step, activation_bytes_estimate, auto_micro_batch, choose_loss_impl,
+                              estimated_micro_batch, fmt_bytes, free_memory, optimizer_state_tensors, param_counts,
+                              random_batch, set_loss_head, tensor_bytes, training_bytes_estimate)
 from gpt2train.optim import train_step
 from gpt2train.precision import is_oom
 
@@ -169,8 +169,9 @@ def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
     torch.manual_seed(1337)
     config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"], **SIZES[size])
     raw = GPT(config, activation_checkpointing=settings["ckpt"]).to(plan.device)
-    set_loss_head(raw, plan, micro_batch, seq_len, choose_loss_impl(raw, plan, settings["loss"], micro_batch,
-                                                                    seq_len)[0])
+    step = Step(config, seq_len, dtype=plan.dtype, device_type=plan.device_type, loss_impl=settings["loss"],
+                activation_checkpointing=settings["ckpt"])
+    set_loss_head(raw, plan, micro_batch, seq_len, choose_loss_impl(plan, step, micro_batch)[0])
     optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=plan.device_type,
                                         ns_dtype=optim.ns_dtype_for(settings.get("dtype"), plan.device_type),
                                         fused=settings["fused"], verbose=False)
@@ -561,8 +562,9 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     params = list(raw.parameters())
     p, g = tensor_bytes(params), tensor_bytes(p_.grad for p_ in params)
     o = tensor_bytes(optimizer_state_tensors(optimizers))
-    est, est_logits = activation_bytes_estimate(raw.config, micro_batch, seq_len, plan.dtype, device_type,
-                                                activation_checkpointing=ckpt, loss_impl=loss)
+    step = Step(raw.config, seq_len, dtype=plan.dtype, device_type=device_type, activation_checkpointing=ckpt,
+                loss_impl=loss)
+    est, est_logits = activation_bytes_estimate(step, micro_batch)
     lines += [f"  parameters        {fmt_bytes(p):>10}  ({sum(t.numel() for t in params):,} fp32)",
               f"  gradients         {fmt_bytes(g):>10}",
               f"  optimizer state   {fmt_bytes(o):>10}  ({OPTIMIZER_STATE[optimizer]})",
@@ -584,7 +586,6 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
                   f"(fragmentation at the peak: {fmt_bytes(peak_r - peak_a)})"]
     else:
         lines.append(f"  allocator         n/a on {device_type} (no caching-allocator statistics)")
-    config = raw.config
     del raw, model, optimizers, x, y
     precision.set_tf32(False)
     free_memory(device_type)
@@ -598,13 +599,12 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
     else:
         lines.append(f"  TF32 off vs on    n/a on {device_type} (TF32 is CUDA-only)")
     for d in (torch.float32, torch.bfloat16):
-        a, lg = activation_bytes_estimate(config, micro_batch, seq_len, d, activation_checkpointing=ckpt,
-                                          loss_impl=loss)
+        a, lg = activation_bytes_estimate(dataclasses.replace(step, dtype=d, device_type="cuda"), micro_batch)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
     how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
-    parts = training_bytes_estimate(config, micro_batch, seq_len, plan.dtype, device_type, world_size, fsdp, optimizer,
-                                    ckpt, loss_impl=loss)
+    parts = training_bytes_estimate(dataclasses.replace(step, world_size=world_size, fsdp=fsdp, optimizer=optimizer),
+                                    micro_batch)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
                  ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v) +
                  f"; total {fmt_bytes(sum(parts.values()))}")
@@ -640,8 +640,9 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
             cells = []
             for _, world, fsdp, loss, ckpt in FIT_MODES:
                 config = GPTConfig(vocab_size=50304, **SIZES[size])
-                b = estimated_micro_batch(config, seq_len, dtype, (1 - headroom) * gib * 2**30, "cuda", world, fsdp,
-                                          optimizer=optimizer, activation_checkpointing=ckpt, loss_impl=loss)
+                step = Step(config, seq_len, world_size=world, dtype=dtype, optimizer=optimizer,
+                            activation_checkpointing=ckpt, fsdp=fsdp, loss_impl=loss)
+                b = estimated_micro_batch(step, (1 - headroom) * gib * 2**30)
                 cells.append(str(b) if b else "-")
             n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]
             lines.append(f"| {size} ({n / 1e6:.0f}M) | {gpu} | " + " | ".join(cells) + " |")
@@ -756,9 +757,10 @@ def run(args):
                                    dataclasses.replace(plan, compile=False), args.optimizer)  # the finder compiles
         precision.set_tf32(plan.tf32)
         try:
-            b, reason, _ = auto_micro_batch(raw, optimizers, args.seq_len, args.total_batch_size, 1, args.device, plan,
-                                            default=args.micro_batch_size, headroom=args.headroom,
-                                            loss_impl=args.loss_impl)
+            step = Step(raw.config, args.seq_len, args.total_batch_size, dtype=plan.dtype,
+                        device_type=plan.device_type, optimizer=args.optimizer,
+                        activation_checkpointing=args.activation_checkpointing, loss_impl=args.loss_impl)
+            b, reason, _ = auto_micro_batch(raw, optimizers, plan, step, headroom=args.headroom)
         except ValueError as e:
             raise UserError(str(e)) from None
         print(f"{header(args, steps=False)}\n{reason}")

@@ -43,7 +43,7 @@ from gpt2train import memory
 from gpt2train import optim
 import plot
 from gpt2train import precision
-from gpt2train.config import Config, asked_and_resolved, check_shape, help_text, oddities, parse_args
+from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
 from gpt2train.data import TokenLoader, shard_paths
 from gpt2train.distributed import DistEnv, agree
 from gpt2train.fileio import UserError, fail, launcher_note, write_json
@@ -197,21 +197,23 @@ def setup(cfg, given, env, say, lock):
     scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)  # off: a no-op (bf16, fp32)
 
     # the micro-batch (and on small GPUs seq_len): from here on B x T is the one that runs
-    B, T, why, timed = memory.choose_micro_batch(
-        raw_model, optimizers, plan, cfg.micro_batch_size, cfg.seq_len, cfg.total_batch_size, env.world_size,
-        fit="micro_batch_size" not in given, shrink_seq="seq_len" not in given and ckpt is None,
-        optimizer=cfg.optimizer, warn=say, default=Config.micro_batch_size,  # (auto off CUDA: the default)
-        divide=given.get("micro_batch_size") != "cli",  # a config file's adapts to the ranks, a flag's is kept
-        loss_impl=cfg.loss_impl)
+    step = memory.Step(raw_model.config, cfg.seq_len, cfg.total_batch_size, env.world_size, plan.dtype,
+                       plan.device_type, cfg.optimizer, cfg.activation_checkpointing, cfg.fsdp, cfg.loss_impl,
+                       plan.compile, fit="micro_batch_size" not in given,
+                       divide=given.get("micro_batch_size") != "cli",  # a config file's adapts to the ranks
+                       shrink_seq="seq_len" not in given and ckpt is None)
+    asked = None if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked, warn=say)
     if why:
         say(why)
-    loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)  # before compile: it is in the graph
+    step = dataclasses.replace(step, seq_len=T)
+    loss_impl = choose_loss_head(raw_model, plan, step, B, say)  # before compile: it is in the graph
 
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus), checked for B x T; compile, DDP
     data_dir = distributed.rank0_first(lambda: prepare_data(cfg, out_dir, B, T, env, ckpt), env, startup)
     model, train_model, plan = compile_and_wrap(raw_model, timed, B, T, plan, env, cfg.fsdp, say)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # the compiler failed: eager from here
-        loss_impl = choose_loss_head(raw_model, plan, cfg, B, T, env, say)
+        loss_impl = choose_loss_head(raw_model, plan, step, B, say)
     train_loader, val_loader, val_steps = make_loaders(cfg, data_dir, B, T, env, raw_model.config.vocab_size, say)
     if ckpt is not None:
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
@@ -353,13 +355,13 @@ def make_loaders(cfg, data_dir, B, T, env, vocab_size, say):
     return train_loader, val_loader, min(cfg.val_steps, most)
 
 
-def choose_loss_head(raw_model, plan, cfg, B, T, env, say):
+def choose_loss_head(raw_model, plan, step, B, say):
     """THE loss head (memory.choose_loss_impl: full logits in the compiled graph where they fit, else chunked) and
     its chunk rows, set on the model for this device and B x T, never a checkpoint's. Returns the loss_impl."""
-    loss_impl, why = memory.choose_loss_impl(raw_model, plan, cfg.loss_impl, B, T, env.world_size, cfg.optimizer)
+    loss_impl, why = memory.choose_loss_impl(plan, step, B)
     if why:
         say(why)
-    memory.set_loss_head(raw_model, plan, B, T, loss_impl)
+    memory.set_loss_head(raw_model, plan, B, step.seq_len, loss_impl)
     return loss_impl
 
 
@@ -621,8 +623,7 @@ def log_step(run, step, loss, lrs, norm, why, dt, progress, say, runlog):
     if runlog is None:
         return
     if step == run.start_step:
-        say(memory.memory_summary(run.raw_model, run.optimizers, run.plan.device, micro_batch=run.B, seq_len=run.T,
-                                  dtype=run.plan.dtype, compiled=run.plan.compile))
+        say(memory.memory_summary(run.raw_model, run.optimizers, run.plan, run.B, run.T))
     runlog.write({"step": step, "loss": loss, "lr": lrs[0], **({"muon_lr": lrs[1]} if len(lrs) > 1 else {}),
                   "norm": norm if math.isfinite(norm) else None,
                   "dt_ms": dt * 1000, "tok_per_s": tok_per_s, **({"skipped": why} if why else {})},

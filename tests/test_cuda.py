@@ -189,8 +189,9 @@ def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
         compiled_at.append(b)
         return precision.compiles(step_model, b, seq_len, plan, warn)
     monkeypatch.setattr(memory, "compiles", compiles)  # the finder's own name for precision.compiles
-    b, reason, timed = memory.auto_micro_batch(model, optimizers, 256, 256 * 64, 1, "cuda:0", plan, default=8,
-                                               max_micro_batch=64)
+    step = memory.Step(model.config, 256, 256 * 64, dtype=plan.dtype, loss_impl="auto",  # 64 rows: at most 64
+                       activation_checkpointing=model.activation_checkpointing)
+    b, reason, timed = memory.auto_micro_batch(model, optimizers, plan, step)
     assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
     assert len(compiled_at) == 1 and compiled_at[0] >= b, (compiled_at, reason)  # once, at the largest size timed
     assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason

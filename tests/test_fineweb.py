@@ -286,7 +286,7 @@ def test_bad_rows(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in [{"text": "a"}, {"text": "b"}, {"title": "c"}, {"text": "d"}]))
     line = run_error(capsys, ["--source", str(bad), "--out_dir", out, "--num_proc", "1"])
-    assert "row 3 has no text in column 'text'" in line  # counted from 1, as hellaswag.py's rows (tests/test_hellaswag.py)
+    assert "row 3 has no text in column 'text'" in line  # counted from 1, as hellaswag.py's rows
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"body": "x"}) + "\n")
     assert "--text_column" in run_error(capsys, ["--source", str(other), "--out_dir", out, "--num_proc", "1"])

@@ -158,8 +158,8 @@ def test_bf16_full_head_keeps_two_bytes_a_logit_within_the_estimate(data_dir):
     logit_bytes = lambda saved: sum(n for n in saved.values() if n >= N * V * 2)  # noqa: E731
     saved = saved_bytes(compiled, x, y, plan)
     assert logit_bytes(saved) / (N * V) <= 2.1
-    act, logits = memory.activation_bytes_estimate(CONFIG, B, T, torch.bfloat16, "cpu", loss_impl="full",
-                                                   compiled=True)
+    step = memory.Step(CONFIG, T, dtype=torch.bfloat16, device_type="cpu", loss_impl="full", compiled=True)
+    act, logits = memory.activation_bytes_estimate(step, B)
     assert logit_bytes(saved) == logits == N * V * 2  # the head: exactly the estimate's
     assert sum(saved.values()) <= 1.01 * (act + logits)  # the blocks: inductor picks what it saves (here +3.5 KB)
     assert logit_bytes(saved_bytes(raw, x, y, plan)) / (N * V) >= 4  # eager: the check can fail

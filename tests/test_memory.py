@@ -15,7 +15,7 @@ from gpt2train import precision
 from conftest import adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
 from gpt2train.loss import CE_CHUNK_ROWS
-from gpt2train.memory import fit_micro_batch, param_counts, training_bytes_estimate
+from gpt2train.memory import Step, fit_micro_batch, param_counts, training_bytes_estimate
 from model import GPT, GPTConfig, PRETRAINED
 from gpt2train.precision import default_plan
 
@@ -36,8 +36,8 @@ def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_im
     model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
     saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
-    assert (saved, logits) == memory.activation_bytes_estimate(config, 3, 24, dtype, "cpu",
-                                                               activation_checkpointing=ckpt, loss_impl=loss_impl)
+    step = Step(config, 24, dtype=dtype, device_type="cpu", activation_checkpointing=ckpt, loss_impl=loss_impl)
+    assert (saved, logits) == memory.activation_bytes_estimate(step, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,8 +51,8 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
     x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
     model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
     measured = bench.step_peak_bytes(model, x, y, cpu_plan(dtype))
-    parts = memory.training_bytes_estimate(config, 4, 64, dtype, "cpu", activation_checkpointing=ckpt,
-                                           loss_impl=loss_impl)
+    parts = memory.training_bytes_estimate(Step(config, 64, dtype=dtype, device_type="cpu",
+                                                activation_checkpointing=ckpt, loss_impl=loss_impl), 4)
     n = sum(p.numel() for p in GPT(config).parameters())
     assert parts["parameters"] == parts["gradients"] == 4 * n and parts["optimizer state"] == 8 * n
     step = sum(parts.values()) - parts["parameters"] - parts["optimizer state"]
@@ -63,9 +63,10 @@ def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
     config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-xl"])
     n, block = memory.param_counts(config)
     assert round(n / 1e6) == 1558
-    one = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16)
-    ddp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8)
-    fsdp = memory.training_bytes_estimate(config, 1, 1024, torch.bfloat16, world_size=8, fsdp=True)
+    step = Step(config, 1024, dtype=torch.bfloat16)
+    one = memory.training_bytes_estimate(step, 1)
+    ddp = memory.training_bytes_estimate(dataclasses.replace(step, world_size=8), 1)
+    fsdp = memory.training_bytes_estimate(dataclasses.replace(step, world_size=8, fsdp=True), 1)
     assert one["parameters"] + one["gradients"] + one["optimizer state"] == 16 * n  # ~25 GB
     assert ddp["DDP buckets"] == 4 * n and one["DDP buckets"] == 0
     assert fsdp["optimizer state"] == 8 * n // 8 and fsdp["FSDP gathered"] == 2 * 4 * (n - 48 * block) + 3 * 2 * block
@@ -74,13 +75,13 @@ def test_training_estimate_shards_under_fsdp_and_adds_ddp_buckets():
 
 def test_estimated_micro_batch_is_the_largest_that_fits():
     config = GPTConfig(vocab_size=50304, **bench.SIZES["gpt2-medium"])
-    ckpt = dict(activation_checkpointing="every_other")
-    total = lambda b: sum(memory.training_bytes_estimate(config, b, 1024, torch.bfloat16, **ckpt).values())  # noqa: E731
+    step = Step(config, 1024, dtype=torch.bfloat16, activation_checkpointing="every_other")
+    total = lambda b: sum(memory.training_bytes_estimate(step, b).values())  # noqa: E731
     budget = 0.9 * 40 * 2**30
-    b = memory.estimated_micro_batch(config, 1024, torch.bfloat16, budget, **ckpt)
+    b = memory.estimated_micro_batch(step, budget)
     assert b > 1 and total(b) <= budget < total(b + 1)
-    assert memory.estimated_micro_batch(config, 1024, torch.bfloat16, total(1) - 1, **ckpt) == 0
-    cap, note = memory.micro_batch_cap(config, 1024, torch.bfloat16, budget, **ckpt)
+    assert memory.estimated_micro_batch(step, total(1) - 1) == 0
+    cap, note = memory.micro_batch_cap(step, budget)
     assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
 
 
@@ -88,7 +89,7 @@ def test_memory_summary_counts_the_tensors_on_cpu():
     model = tiny_model(vocab_size=50257)
     opt = adamw(model)
     optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
-    line = memory.memory_summary(model, [opt], "cpu", micro_batch=2, seq_len=16)
+    line = memory.memory_summary(model, [opt], default_plan("cpu"), 2, 16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
     assert f"params {memory.fmt_bytes(4 * n)}" in line and f"grads {memory.fmt_bytes(4 * n)}" in line
@@ -118,7 +119,7 @@ def test_param_count_matches_the_model():
 
 
 def fits(config, b, t, memory, headroom=0.15):
-    return sum(training_bytes_estimate(config, b, t, FP16).values()) <= (1 - headroom) * memory
+    return sum(training_bytes_estimate(Step(config, t, dtype=FP16), b).values()) <= (1 - headroom) * memory
 
 
 @pytest.mark.parametrize("gpu,memory,config,expect", [
@@ -130,7 +131,7 @@ def fits(config, b, t, memory, headroom=0.15):
     ("RTX 2070 8 GB, 350M", 7.8 * GB, GPT2_MEDIUM, (1, 256)),  # not even 1 x 1024 (nor 512) fits: the sequence halves
 ])
 def test_fit_micro_batch(gpu, memory, config, expect):
-    b, t, reason = fit_micro_batch(config, memory, 1024, 524288, 1, FP16)
+    b, t, reason = fit_micro_batch(Step(config, 1024, 524288, 1, FP16), memory)
     assert (b, t) == expect, gpu
     assert fits(config, b, t, memory) and not fits(config, 2 * b, t, memory)  # the largest that fits
     assert 524288 % (b * t) == 0 and f"{b} x {t}" in reason
@@ -140,11 +141,11 @@ def test_fit_micro_batch(gpu, memory, config, expect):
 
 def test_fit_keeps_a_user_seq_len_and_says_when_nothing_fits():
     with pytest.raises(UserError, match="does not fit in 7.8 GiB at seq_len 1024"):
-        fit_micro_batch(GPT2_MEDIUM, 7.8 * GB, 1024, 524288, 1, FP16, shrink_seq=False)
+        fit_micro_batch(Step(GPT2_MEDIUM, 1024, 524288, 1, FP16, shrink_seq=False), 7.8 * GB)
     xl = GPTConfig(vocab_size=50304, **PRETRAINED["gpt2-xl"])
     with pytest.raises(UserError, match="1558M-parameter model does not fit in 15.0 GiB at seq_len 64"):
-        fit_micro_batch(xl, 15 * GB, 1024, 524288, 1, FP16)
-    b, t, _ = fit_micro_batch(GPT2, 15 * GB, 1024, 524288, 8, FP16)  # 8 ranks: 64 rows per rank per step
+        fit_micro_batch(Step(xl, 1024, 524288, 1, FP16), 15 * GB)
+    b, t, _ = fit_micro_batch(Step(GPT2, 1024, 524288, 8, FP16), 15 * GB)  # 8 ranks: 64 rows per rank per step
     assert (b, t) == (16, 1024) and 524288 % (b * t * 8) == 0
 
 # -----------------------------------------------------------------------------
@@ -176,7 +177,8 @@ def linear_usage(limit, headroom=0.1):
 def test_search_matches_brute_force(limit, seq_len, total, world, speed):
     calls = []
     usage = linear_usage(limit)
-    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed, seq_len, total, world)
+    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed,
+                                          Step(GPT2, seq_len, total, world))
     assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
     accum = total // (b * seq_len * world)
     assert b * seq_len * world * accum == total
@@ -185,38 +187,40 @@ def test_search_matches_brute_force(limit, seq_len, total, world, speed):
 
 
 def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
-    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), 1024, 480 * 1024)
+    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), Step(GPT2, 1024, 480 * 1024))
     assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
     assert "grad_accum 10" in reason and "80 runs out of memory" in reason
 
 
 def test_search_falls_back_below_8_and_says_so():
-    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), 1024, 524288)
+    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), Step(GPT2, 1024, 524288))
     assert b == 4 and "no multiple of 8 fits" in reason
 
 
 def test_search_keeps_headroom():
     usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
     speed = lambda b: float(b)  # noqa: E731
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.1)[0] == 16
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.0)[0] == 32
-    assert memory.search_micro_batch(usage, speed, 1024, 65536, headroom=0.2)[0] == 8
+    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.1)[0] == 16
+    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.0)[0] == 32
+    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.2)[0] == 8
 
 
 def test_search_treats_oom_as_not_fitting():
-    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b), 1024, 524288)
+    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b),
+                                          Step(GPT2, 1024, 524288))
     assert b == 16 and "32 runs out of memory" in reason
 
 
 def test_search_respects_max_micro_batch():
-    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), 1024, 524288, max_micro_batch=100)[0] == 64
+    step = Step(GPT2, 1024, 524288)
+    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), step, max_micro_batch=100)[0] == 64
 
 
 def test_search_refuses_what_cannot_divide_or_fit():
     with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, 1024, 500000, world_size=2)
+        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, Step(GPT2, 1024, 500000, 2))
     with pytest.raises(ValueError, match="no micro-batch fits"):
-        memory.search_micro_batch(lambda b: None, lambda b: 1.0, 1024, 524288)
+        memory.search_micro_batch(lambda b: None, lambda b: 1.0, Step(GPT2, 1024, 524288))
 
 # -----------------------------------------------------------------------------
 # probing on the real model (the CPU half of what runs on CUDA)
@@ -231,24 +235,26 @@ def test_search_skips_sizes_that_fail_when_timed():
     def measure(b):
         timed.append(b)
         return None if b > 16 else float(b)
-    b, reason = memory.search_micro_batch(usage, measure, 1024, 64 * 1024)
+    b, reason = memory.search_micro_batch(usage, measure, Step(GPT2, 1024, 64 * 1024))
     assert timed == [64, 32, 16]
     assert b == 16 and "out of memory or over the 90% limit" in reason, reason
     timed.clear()
     b, reason = memory.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
-                                             1024, 64 * 1024)
+                                             Step(GPT2, 1024, 64 * 1024))
     assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
     with pytest.raises(ValueError, match="could be timed"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: None, 1024, 64 * 1024)
+        memory.search_micro_batch(lambda b: 0.1, lambda b: None, Step(GPT2, 1024, 64 * 1024))
 
 
-def test_auto_micro_batch_falls_back_on_cpu():
+def test_auto_micro_batch_falls_back_on_cpu(monkeypatch):
     model = tiny_model(vocab_size=256)
     opt = adamw(model)
-    b, reason, timed = memory.auto_micro_batch(model, [opt], 32, 4096, 2, "cpu", default_plan("cpu"), default=16)
+    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 16)  # the config's default, off CUDA
+    b, reason, timed = memory.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 2))
     assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
+    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 12)
     with pytest.raises(ValueError, match="not divisible"):
-        memory.auto_micro_batch(model, [opt], 32, 4096, 1, "cpu", default_plan("cpu"), default=12)
+        memory.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 1))
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
@@ -256,7 +262,7 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
     opt = adamw(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lrs = [g["lr"] for g in opt.param_groups]
-    seconds = memory.probe_steps(model, [opt], 2, 16, "cpu", default_plan("cpu"), steps=2)
+    seconds = memory.probe_steps(model, [opt], 2, 16, default_plan("cpu"), steps=2)
     assert seconds > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -274,45 +280,57 @@ def gpu_plan(cap, memory_gib):
     return default_plan("cuda:0", cap, "a test GPU", int(memory_gib * GB))
 
 
+def shape(model, plan, seq_len=1024, total=524288, world_size=1, **asked):
+    """The step's shape setup builds for this model, plan and batch (memory.Step); asked: fit, divide, shrink_seq."""
+    return Step(model.config, seq_len, total, world_size, plan.dtype, plan.device_type,
+                activation_checkpointing=model.activation_checkpointing, **asked)
+
+
 def test_choose_micro_batch_fits_sm7x_always_and_others_when_the_asked_one_does_not_fit():
     gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model, not probing
-    b, t, why, timed = memory.choose_micro_batch(gpt2, [], gpu_plan((7, 5), 15), 64, 1024, 524288)
+    t4, a100, rtx = gpu_plan((7, 5), 15), gpu_plan((8, 0), 40), gpu_plan((8, 6), 24)
+    b, t, why, timed = memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)
     assert (b, t, timed) == (16, 1024, None) and "fitted to 15.0 GiB: 16 x 1024" in why and "grad_accum 32" in why
     assert why.endswith("(set micro_batch_size/seq_len to choose yourself)")
-    kept = memory.choose_micro_batch(gpt2, [], gpu_plan((7, 5), 15), 64, 1024, 524288, fit=False)  # the user's
+    kept = memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4, fit=False, divide=False), 64)  # the user's
     assert kept == (64, 1024, "", None)
-    assert memory.choose_micro_batch(gpt2, [], gpu_plan((8, 0), 40), 64, 1024, 524288) == (64, 1024, "", None)
+    assert memory.choose_micro_batch(gpt2, [], a100, shape(gpt2, a100), 64) == (64, 1024, "", None)
     # 24 GB at sm86: 64 x 1024 needs ~24 GiB, over 85% of the card, 32 x 1024 fits: fitted although not sm7x
-    assert memory.training_bytes(GPT2, 64, 1024, torch.bfloat16) > 0.85 * 24 * GB
-    assert memory.training_bytes(GPT2, 32, 1024, torch.bfloat16) <= 0.85 * 24 * GB
-    b, t, why, _ = memory.choose_micro_batch(gpt2, [], gpu_plan((8, 6), 24), 64, 1024, 524288)
+    assert memory.training_bytes(Step(GPT2, 1024, dtype=torch.bfloat16), 64) > 0.85 * 24 * GB
+    assert memory.training_bytes(Step(GPT2, 1024, dtype=torch.bfloat16), 32) <= 0.85 * 24 * GB
+    b, t, why, _ = memory.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx), 64)
     assert (b, t) == (32, 1024) and "grad_accum 16" in why
-    assert memory.choose_micro_batch(gpt2, [], gpu_plan((8, 6), 24), 64, 1024, 524288, world_size=8)[:2] == (32, 1024)
+    assert memory.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx, world_size=8), 64)[:2] == (32, 1024)
 
 
 def test_choose_micro_batch_shortens_seq_len_only_when_allowed():
     medium = SimpleNamespace(config=GPT2_MEDIUM, activation_checkpointing="none")
-    b, t, why, _ = memory.choose_micro_batch(medium, [], gpu_plan((7, 5), 7.8), 64, 1024, 524288)
+    small = gpu_plan((7, 5), 7.8)
+    b, t, why, _ = memory.choose_micro_batch(medium, [], small, shape(medium, small), 64)
     assert (b, t) == (1, 256) and "seq_len 1024 -> 256" in why
     with pytest.raises(UserError, match="355M-parameter model does not fit in 7.8 GiB at seq_len 1024"):
-        memory.choose_micro_batch(medium, [], gpu_plan((7, 5), 7.8), 64, 1024, 524288, shrink_seq=False)
+        memory.choose_micro_batch(medium, [], small, shape(medium, small, shrink_seq=False), 64)
 
 
-def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides():
+def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides(monkeypatch):
     model = tiny_model(vocab_size=256)
     opt = adamw(model)
     cpu = default_plan("cpu")
-    assert memory.choose_micro_batch(model, [opt], cpu, 4, 32, 4096, world_size=2) == (4, 32, "", None)
-    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, "auto", 32, 4096, world_size=2, default=16)
+    assert memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), 4) == (4, 32, "", None)
+    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 16)  # auto off CUDA: the config's default
+    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), None)
     assert (b, t, timed) == (16, 32, None) and "micro_batch_size=auto needs CUDA; on cpu" in why
+    flag = shape(model, cpu, 32, 4096, fit=False, divide=False)  # set on the command line: kept or refused
     with pytest.raises(UserError, match=r"x 1 = 1536: --micro_batch_size=32 keeps 4,096 tokens per step \(or "
                                         r"--total_batch_size=4608 makes it 4,608\)$"):  # 4096 / 1536 = 2.7
-        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096, fit=False)
-    assert memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4096)[0] == 32  # left to its default: what divides
+        memory.choose_micro_batch(model, [opt], cpu, flag, 48)
+    left = shape(model, cpu, 32, 4096)
+    assert memory.choose_micro_batch(model, [opt], cpu, left, 48)[0] == 32  # left to its default: what divides
     with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):  # no micro-batch divides
-        memory.choose_micro_batch(model, [opt], cpu, 48, 32, 4100)
+        memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4100), 48)
+    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 12)
     with pytest.raises(UserError, match="^micro_batch_size=auto: total_batch_size 4096 is not divisible"):
-        memory.choose_micro_batch(model, [opt], cpu, "auto", 32, 4096, default=12)
+        memory.choose_micro_batch(model, [opt], cpu, left, None)
 
 
 @pytest.mark.parametrize("error,device_type,batch,expect", [
@@ -357,7 +375,7 @@ def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(mo
     fp32-out matmul (loss.fp32_out_matmul, probed; no CUDA here: no), then its memory share's 2368 rows, and the
     estimate's head temporary drops the fp16 (V, C) product; the T4 still fits 16 x 1024."""
     t4, V, C = gpu_plan((7, 5), 15), 50304, 768
-    head = lambda rows: training_bytes_estimate(GPT2, 16, 1024, FP16, ce_chunk_rows=rows)[  # noqa: E731
+    head = lambda rows: training_bytes_estimate(Step(GPT2, 1024, dtype=FP16, ce_chunk_rows=rows), 16)[  # noqa: E731
         "largest temporary"]
     capped = head(1024)
     assert memory.loss_chunk(t4, 16384, V) == 1024
@@ -366,7 +384,7 @@ def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(mo
     assert capped - head(1024) == 2 * V * C  # no fp16 product
     assert head(2368) - head(1024) == (2368 - 1024) * V * 6  # the larger chunk: fp32 + fp16 logits
     gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model
-    assert memory.choose_micro_batch(gpt2, [], t4, 64, 1024, 524288)[:2] == (16, 1024)
+    assert memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)[:2] == (16, 1024)
 
 
 @pytest.mark.parametrize("plan", [*precision.EMULATED_PLANS, "22 GiB"])
@@ -377,11 +395,11 @@ def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
     cap, _, card = precision.EMULATED_PLANS.get(plan, ((8, 6), None, 22 * GB))
     gpu = gpu_plan(cap, card / GB)
     resumed = gpt2_on_meta(ce_chunk_rows=h200_chunk())
-    fresh = memory.choose_micro_batch(gpt2_on_meta(), [], gpu, 64, 1024, 524288)
-    assert memory.choose_micro_batch(resumed, [], gpu, 64, 1024, 524288) == fresh
+    fresh = memory.choose_micro_batch(gpt2_on_meta(), [], gpu, shape(gpt2_on_meta(), gpu), 64)
+    assert memory.choose_micro_batch(resumed, [], gpu, shape(resumed, gpu), 64) == fresh
     if plan == "22 GiB":
-        assert fresh[0] == 32 and fit_micro_batch(GPT2, 22 * GB, 1024, 524288, dtype=torch.bfloat16,
-                                                  ce_chunk_rows=resumed.ce_chunk_rows)[0] == 16
+        assert fresh[0] == 32 and fit_micro_batch(Step(GPT2, 1024, dtype=torch.bfloat16,
+                                                       ce_chunk_rows=resumed.ce_chunk_rows), 22 * GB)[0] == 16
 
 
 def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
@@ -392,7 +410,7 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     model = gpt2_on_meta(ce_chunk_rows=h200_chunk())
     probed, now = [], {}
 
-    def fake_probe(step_model, optimizers, b, seq_len, device, plan, steps):
+    def fake_probe(step_model, optimizers, b, seq_len, plan, steps):
         probed.append((b, step_model.ce_chunk_rows))
         now["b"] = b
         return 0.01 * b ** 0.9  # a larger batch: more tokens a second
@@ -403,7 +421,7 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
-    b, _, _ = memory.auto_micro_batch(model, [], 1024, 524288, 1, "cuda:0", plan, default=64)
+    b, _, _ = memory.auto_micro_batch(model, [], plan, dataclasses.replace(shape(model, plan), loss_impl="auto"))
     assert probed and all(chunk == memory.loss_chunk(plan, size * 1024, 50304) for size, chunk in probed), probed
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
     memory.set_loss_head(model, plan, b, 1024, "chunked")  # what the trainer sets after the finder

@@ -120,11 +120,11 @@ def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
     from gpt2train import precision
     plan = precision.make_plan("cpu", "fp32")
     settings = dict(bench.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
-    raw, model, optimizers = bench.build(settings, "tiny", 32, "cpu", "cpu", optimizer)
+    raw, model, optimizers = bench.build(settings, "tiny", 2, 32, plan, optimizer)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     optim.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
     held = memory.tensor_bytes(memory.optimizer_state_tensors(optimizers))
-    estimate = memory.training_bytes_estimate(raw.config, 2, 32, optimizer=optimizer)["optimizer state"]
+    estimate = memory.training_bytes_estimate(memory.Step(raw.config, 32, optimizer=optimizer), 2)["optimizer state"]
     n = sum(p.numel() for p in raw.parameters())
     steps = 4 * sum(1 for s in optimizers[0].state.values() if "step" in s)  # AdamW's step counts, not estimated
     assert held - steps == estimate == (8 * n if optimizer == "adamw" else 8 * n - 4 * sum(

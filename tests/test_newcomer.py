@@ -9,6 +9,7 @@ test_fineweb.py::test_a_folder_source_reads_its_text_files.)
 
     python -m pytest -q tests/test_newcomer.py
 """
+import dataclasses
 import json
 import os
 
@@ -184,18 +185,19 @@ def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_reci
     """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
     names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
     from conftest import adamw, tiny_model
-    from gpt2train.memory import choose_micro_batch
+    from gpt2train.memory import Step, choose_micro_batch
     from gpt2train.precision import make_plan
     model = tiny_model(vocab_size=256)
     optimizer = adamw(model)
-    with pytest.raises(UserError) as e:
-        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=False)
+    shape = lambda total, **asked: Step(model.config, 128, total, 2, device_type="cpu", **asked)  # noqa: E731
+    with pytest.raises(UserError) as e:  # set on the command line: kept or refused
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), shape(1024, fit=False, divide=False), 8)
     assert str(e.value).endswith(": --micro_batch_size=4 keeps 1,024 tokens per step (or --total_batch_size=2048 "
                                  "makes it 2,048)")
-    B, T, why, _ = choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1024, world_size=2, fit=True)
+    B, T, why, _ = choose_micro_batch(model, [optimizer], make_plan("cpu"), shape(1024), 8)
     assert (B, T) == (4, 128) and why.startswith("micro_batch_size=4: the largest up to 8")
     with pytest.raises(UserError, match=r"= 2048: e\.g\. --total_batch_size=2048$"):  # no micro-batch keeps 1,000
-        choose_micro_batch(model, [optimizer], make_plan("cpu"), 8, 128, 1000, world_size=2, fit=True)
+        choose_micro_batch(model, [optimizer], make_plan("cpu"), shape(1000), 8)
 
 
 def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(monkeypatch):
@@ -208,17 +210,19 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     from gpt2train.precision import make_plan
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
     plan, said = make_plan("cpu"), []
-    need = lambda b: memory.training_bytes_estimate(model.config, b, 1024, device_type="cpu")  # noqa: E731
+    step = memory.Step(model.config, 1024, 524288, device_type="cpu")
+    need = lambda b: memory.training_bytes_estimate(step, b)  # noqa: E731
     ram = sum(need(8).values()) + 1  # 8 x 1024 fits, 16 x 1024 does not
     monkeypatch.setattr(memory, "available_ram", lambda: ram)
-    B, T, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)
+    B, T, why, _ = memory.choose_micro_batch(model, [], plan, step, 64, warn=said.append)
     assert (B, T) == (8, 1024) and why.startswith("micro-batch fitted to the free RAM: 64 x 1024 needs ~") and not said
     assert "8 x 1024 (~" in why and "grad_accum 64 keeps total_batch_size 524288" in why
-    B, _, why, _ = memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=False, warn=said.append)
+    flag = dataclasses.replace(step, fit=False, divide=False)  # set on the command line
+    B, _, why, _ = memory.choose_micro_batch(model, [], plan, flag, 64, warn=said.append)
     assert B == 64 and why == "" and len(said) == 1
     assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
     monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
-    assert memory.choose_micro_batch(model, [], plan, 64, 1024, 524288, fit=True, warn=said.append)[0] == 64
+    assert memory.choose_micro_batch(model, [], plan, step, 64, warn=said.append)[0] == 64
     line = memory.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
     assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
 
