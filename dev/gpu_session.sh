@@ -201,6 +201,8 @@ def train_line(rec):
         if arg:
             gib = rec["peak_reserved_gib"]
             line += f" ({'within' if gib <= float(arg) else 'OVER'} a T4's {float(arg):g} GiB)"
+    if rec.get("startup_s") is not None:
+        line += f"; start-up (compile included) ~{rec['startup_s']:.0f} s"
     bad = rec["compile_fallback"]
     return line + (f"; compile fallback: {bad!r}" if bad else "; no compile fallback")
 
@@ -234,6 +236,12 @@ def ratio(a, b):
 
 if kind == "train":
     rec = train(read(path))
+    try:  # the part's seconds (recorded as it ended) less its steps' time: start-up, compile, the cache's effect
+        with open(out) as f:
+            seconds = json.load(f)[name]["seconds"]
+        rec["startup_s"] = seconds - sum(float(ms) for ms in re.findall(r"\| ([\d.]+) ms \|", read(path))) / 1000
+    except (OSError, ValueError, KeyError):
+        rec["startup_s"] = None
     line = train_line(rec)
 elif kind == "hellaswag":
     text = read(path)

@@ -136,7 +136,7 @@ def test_the_trainer_runs_and_their_ratios(whole_call):
     summary, record, out, _ = whole_call
     for name in ("adamw", "muon", "sm75", "b128", "autotune"):
         assert re.search(rf"^{name}: 2 steps, loss_impl chunked; median of steps 1-1: [\d.]+ ms, [\d,]+ tok/s, "
-                         r"MFU n/a; no compile fallback", summary, re.M), summary
+                         r"MFU n/a; start-up \(compile included\) ~\d+ s; no compile fallback", summary, re.M), summary
         assert record[name]["steps"] == 2 and record[name]["exit"] == 0
     assert '"optimizer": "muon"' in (out / "muon.log").read_text()  # the Muon config's resolved config
     for a, b in (("muon", "adamw"), ("b128", "adamw"), ("autotune", "adamw")):
