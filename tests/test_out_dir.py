@@ -368,7 +368,8 @@ def test_the_session_guard_ends_and_reports_a_process_a_test_leaves(tmp_path):
         def test_another():
             pass
     """))
-    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                          str(tmp_path)], cwd=tmp_path,  # rootdir: a stray setup.py in /tmp would be pytest's
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=240)

@@ -122,7 +122,7 @@ def test_two_ranks_take_the_micro_batch_that_keeps_the_tokens_per_step(tmp_path)
     with Launched([cmd + tiny_args(data, two, **common)], tmp_path, env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0], run.logs()
         assert "micro_batch_size=2: the largest up to 64 whose 2 x 16 x 2 rank(s) divides total_batch_size=64" \
-            in run.logs()
+            in run.logs(tail=100_000)  # the whole log: the resolved config and the end-of-run summary follow
     a, b = step_losses(one), step_losses(two)
     assert sorted(a) == sorted(b) == [0, 1, 2] and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
 
@@ -148,5 +148,5 @@ def test_a_config_files_micro_batch_adapts_to_the_ranks(tmp_path):
     with Launched([cmd], tmp_path, env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0], run.logs()
         assert "micro_batch_size=2: the largest up to 4 whose 2 x 16 x 2 rank(s) divides total_batch_size=64" \
-            in run.logs()
+            in run.logs(tail=100_000)  # the whole log: the resolved config and the end-of-run summary follow
     assert sorted(step_losses(str(tmp_path / "two"))) == [0, 1]
