@@ -602,7 +602,11 @@ def memory_report(plan, size, micro_batch, seq_len, loss="chunked", ckpt="none",
         a, lg = activation_bytes_estimate(dataclasses.replace(step, dtype=d, device_type="cuda"), micro_batch)
         what = "fp32" if d == torch.float32 else "bf16 autocast"
         lines.append(f"  estimate {what}: activations {fmt_bytes(a)} + logits {fmt_bytes(lg)}")
-    how = f"FSDP over {world_size}" if fsdp else f"DDP x {world_size}" if world_size > 1 else "1 process"
+    how = "1 process"
+    if fsdp:
+        how = f"FSDP over {world_size}"
+    elif world_size > 1:
+        how = f"DDP x {world_size}"
     parts = training_bytes_estimate(dataclasses.replace(step, world_size=world_size, fsdp=fsdp, optimizer=optimizer),
                                     micro_batch)
     lines.append(f"  per rank, {how}, computed (training_bytes_estimate): " +
@@ -691,7 +695,11 @@ def parse_args(argv):
     args.device = precision.resolve_device(args.device or ("cpu" if args.quick else "auto"),
                                            int(os.environ.get("LOCAL_RANK", 0)))  # torchrun: one GPU per process
     device_type = torch.device(args.device).type
-    mode = "quick" if args.quick else ("cuda" if device_type == "cuda" or args.fit else "cpu")  # --fit: GPU shapes
+    mode = "cpu"
+    if args.quick:
+        mode = "quick"
+    elif device_type == "cuda" or args.fit:  # --fit: GPU shapes
+        mode = "cuda"
     size, b, t, warmup, steps = DEFAULTS[mode]
     defaults = {"model": size, "micro_batch_size": b, "seq_len": t, "warmup": warmup, "steps": steps}
     for name, default in defaults.items():

@@ -1,9 +1,9 @@
 """
 A trained GPT-2 out to other tools: a Hugging Face directory or one GGUF file.
 
-    python export.py out/ckpt_019073.pt out/hf                 # a Hugging Face directory, tokenizer included
-    python export.py out/gpt2_124m gpt2.gguf --type q8_0       # one GGUF file for llama.cpp / Ollama
-    python export.py --help                                    # the usage
+    python export.py out/ckpt_019073.pt out/hf            # a Hugging Face folder and tokenizer
+    python export.py out/gpt2_124m gpt2.gguf --type q8_0  # one GGUF file for llama.cpp / Ollama
+    python export.py --help                               # the usage
 
 The export directory loads offline with AutoTokenizer, AutoModelForCausalLM and
 pipeline("text-generation"); the source may also be a run's out_dir (its newest checkpoint), a
@@ -21,8 +21,11 @@ from model import GPT, GPT2_VOCAB_SIZE
 
 # what save_pretrained and write_hf_tokenizer put in a directory: an OUT_DIR holding only these is a
 # previous export and may be replaced; anything else (a run's checkpoints, say) is never deleted
-EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
-                          r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|special_tokens_map\.json")
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|"
+                          r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
+                          r"vocab\.json|merges\.txt|tokenizer(_config)?\.json|"
+                          r"special_tokens_map\.json")
+
 
 
 def load_for_export(src):
@@ -30,8 +33,9 @@ def load_for_export(src):
     checkpoint), refused unless GPT-2's tokenizer covers its vocabulary."""
     model = GPT.load(newest_checkpoint(src))
     if model.config.vocab_size < GPT2_VOCAB_SIZE:
-        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's {GPT2_VOCAB_SIZE} "
-                         "tokens: its tokenizer is not GPT-2's, so there is nothing to export it with")
+        raise UserError(f"{src} has vocab_size {model.config.vocab_size}, fewer than GPT-2's "
+                        f"{GPT2_VOCAB_SIZE} tokens: its tokenizer is not GPT-2's, so there is "
+                        "nothing to export it with")
     return model
 
 
@@ -44,14 +48,16 @@ def export(src, out_dir):
     if os.path.isdir(out_dir):
         others = [n for n in os.listdir(out_dir) if not EXPORT_FILES.fullmatch(n)]
         if others:
-            raise UserError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part of an export: "
-                             "choose a new or empty OUT_DIR")
+            raise UserError(f"OUT_DIR {out_dir} exists and holds {others[0]!r}, which is not part "
+                            "of an export: choose a new or empty OUT_DIR")
+
     model = load_for_export(src)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with replacing_dir(out_dir) as tmp:
         try:
             model.save_pretrained(tmp)
-        except Exception as e:  # safetensors reports a failed write (a full disk) as its own error type
+        # safetensors reports a failed write (a full disk) as its own error type
+        except Exception as e:
             if type(e).__name__ != "SafetensorError":
                 raise
             raise OSError(errno.EIO, str(e)) from None
@@ -61,7 +67,8 @@ def export(src, out_dir):
 
 def export_gguf(src, out, type_name="f16"):
     """Write out, one GGUF file for llama.cpp (gguf_export.py), temp file then rename."""
-    from gpt2train.gguf_export import check_type, import_gguf, write_gguf  # only this command needs it (and gguf)
+    # only this command needs it (and gguf)
+    from gpt2train.gguf_export import check_type, import_gguf, write_gguf
     import_gguf()  # no gguf package, a wrong --type: said before loading anything
     check_type(type_name)
     if os.path.isdir(out):
@@ -103,7 +110,8 @@ def main(argv):
     try:
         args, type_name = split_type(argv)
         if len(args) != 2:
-            raise UserError(f"expected `SRC OUT_DIR` or `SRC OUT.gguf`, got {' '.join(argv)!r}; {USAGE}")
+            raise UserError(f"expected `SRC OUT_DIR` or `SRC OUT.gguf`, got {' '.join(argv)!r}; "
+                            f"{USAGE}")
         src, out = args
         if out.endswith(".gguf"):
             size = export_gguf(src, out, type_name or "f16")
@@ -111,13 +119,15 @@ def main(argv):
             raise UserError(f"--type is for a .gguf file, and {out} is not one: name it OUT.gguf")
         else:
             export(src, out)
-    except (UserError, OSError) as e:  # OSError: no space or no permission while writing OUT (exit 1)
+    # OSError: no space or no permission while writing OUT (exit 1)
+    except (UserError, OSError) as e:
         return fail(e)
     if out.endswith(".gguf"):
         print(f"wrote {out} ({size / 2**20:.1f} MiB, {type_name or 'f16'}): run it with "
               f"llama-cli -m {out} -p \"Hello\"")
     else:
-        print(f"wrote {out}: load it with AutoModelForCausalLM / AutoTokenizer / pipeline('text-generation')")
+        print(f"wrote {out}: load it with AutoModelForCausalLM / AutoTokenizer / "
+              "pipeline('text-generation')")
     return 0
 
 

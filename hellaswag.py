@@ -1,21 +1,21 @@
 """
 HellaSwag, zero-shot and completion style: which of 4 endings does the model find most likely?
 
-    python hellaswag.py --model gpt2                    # downloads hellaswag_val.jsonl once (10,042 rows)
-    python hellaswag.py --model out/ckpt_019073.pt      # one of train_gpt2.py's checkpoints
-    python hellaswag.py --model out/gpt2_124m           # a run's folder: its newest checkpoint
+    python hellaswag.py --model gpt2                # fetches hellaswag_val.jsonl once (10,042 rows)
+    python hellaswag.py --model out/ckpt_019073.pt  # one of train_gpt2.py's checkpoints
+    python hellaswag.py --model out/gpt2_124m       # a run's folder: its newest checkpoint
     python hellaswag.py --model out/hf --data rows.jsonl --limit 500 --json result.json
-    python hellaswag.py --model gpt2 --compile          # as in training: compiled, packed rows at one fixed shape
+    python hellaswag.py --model gpt2 --compile      # as in training: packed rows at one fixed shape
 
 Each ending is scored as the row context + " " + ending: the model's cross-entropy over the ending
-tokens only, summed (acc: the lowest sum wins) and averaged per token (acc_norm: the lowest mean wins).
-Many examples go through one forward pass and the lm_head runs only where an ending token is
+tokens only, summed (acc: the lowest sum wins) and averaged per token (acc_norm: the lowest mean
+wins). Many examples go through one forward pass and the lm_head runs only where an ending token is
 predicted. Each example is packed into one row ctx + end1 + end2 + end3 + end4 (each ending at the
-positions that follow the context, seeing only the context and itself), so the context is computed once
-instead of 4 times; examples that do not fit block_size that way use 4 rows ctx + ending_i. Rows are
-right-padded, padding never scored; score_one() is the plain one-example reference. A compiled model
-(torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles once, with short
-examples sharing a row rather than padding it.
+positions that follow the context, seeing only the context and itself), so the context is computed
+once instead of 4 times; examples that do not fit block_size that way use 4 rows ctx + ending_i.
+Rows are right-padded, padding never scored; score_one() is the plain one-example reference. A
+compiled model (torch.compile) gets packed rows of one fixed shape per evaluation, so it compiles
+once, with short examples sharing a row rather than padding it.
 
 The benchmark (batched vs one example at a time): dev/hellaswag_bench.py.
 
@@ -47,15 +47,15 @@ SPLITS = ("train", "val", "test")
 
 
 class HellaSwagError(UserError):
-    """A one-line message for the user (missing file, malformed row); the CLI prints `error: ...`."""
+    """A one-line message for the user (missing file, malformed row); the CLI prints it."""
 
 # -----------------------------------------------------------------------------
 # data: rowanz/hellaswag jsonl, one {"ctx": str, "endings": [4 str], "label": int, ...} per line
 
 
 def download_split(split, data_dir=DEFAULT_DIR, file_option="--data"):
-    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path. file_option: the calling command's
-    option for a local file, named in the error."""
+    """Fetch hellaswag_{split}.jsonl into data_dir (once); returns its path. file_option: the
+    calling command's option for a local file, named in the error."""
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
@@ -78,24 +78,29 @@ def download_split(split, data_dir=DEFAULT_DIR, file_option="--data"):
 
 
 def parse_row(line, where, enc):
-    """One jsonl line -> {"label", "ctx_tokens", "ending_tokens": [4 lists]}; where names the row."""
+    """Parse one jsonl line into {"label", "ctx_tokens", "ending_tokens": [4 lists]}; where names
+    the row."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise HellaSwagError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
     except RecursionError:
-        raise HellaSwagError(f"{where}: not a HellaSwag row (JSON nested too deeply to read)") from None
+        raise HellaSwagError(f"{where}: not a HellaSwag row "
+                             "(JSON nested too deeply to read)") from None
     if not isinstance(row, dict):
         raise HellaSwagError(f"{where}: expected a JSON object, got {type(row).__name__}")
     ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
     if not isinstance(ctx, str) or not ctx.strip():
         raise HellaSwagError(f"{where}: missing or empty 'ctx' (the context string)")
-    if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
+    four = isinstance(endings, list) and len(endings) == 4
+    if not four or not all(isinstance(e, str) for e in endings):
         got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
         raise HellaSwagError(f"{where}: 'endings' must be a list of 4 strings, got {got}")
     if label is None:
-        raise HellaSwagError(f"{where}: no 'label' (HellaSwag's test split is unlabelled: score val or train)")
-    if isinstance(label, str) and label.strip() in ("0", "1", "2", "3"):  # the Hugging Face copy stores "0".."3"
+        raise HellaSwagError(f"{where}: no 'label' (HellaSwag's test split is unlabelled: score "
+                             "val or train)")
+    # the Hugging Face copy stores "0".."3"
+    if isinstance(label, str) and label.strip() in ("0", "1", "2", "3"):
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
         raise HellaSwagError(f"{where}: 'label' must be 0, 1, 2 or 3, got {label!r}")
@@ -104,10 +109,12 @@ def parse_row(line, where, enc):
             "ending_tokens": [enc.encode_ordinary(" " + e) for e in endings]}
 
 
-def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True, file_option="--data"):
+def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=True,
+                  file_option="--data"):
     """Tokenized examples of a HellaSwag split (downloaded into data_dir on first use) or of a local
-    jsonl file in the same format. Raises HellaSwagError with a one-line message, which names the calling
-    command's option for a local file (file_option: hellaswag.py's --data, the trainer's --hellaswag_file)."""
+    jsonl file in the same format. Raises HellaSwagError with a one-line message, which names the
+    calling command's option for a local file (file_option: hellaswag.py's --data, the trainer's
+    --hellaswag_file)."""
     if data_file is not None:
         path = data_file
         if not os.path.isfile(path):
@@ -122,8 +129,8 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
         path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
         if not os.path.isfile(path):
             if not download:
-                raise HellaSwagError(f"{path} is missing: download {URL.format(split=split)} there, "
-                                     f"or pass {file_option}=FILE.jsonl")
+                raise HellaSwagError(f"{path} is missing: download {URL.format(split=split)} "
+                                     f"there, or pass {file_option}=FILE.jsonl")
             path = download_split(split, data_dir, file_option)
     enc = get_encoding()
     examples = []
@@ -164,7 +171,8 @@ def token_losses(logits, targets):
     """Cross-entropy per target token, in fp32, over the 50257 real tokens (a padded vocab's extra
     rows are never targets)."""
     logits = logits[..., :GPT2_VOCAB_SIZE].float()
-    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                             reduction="none")
     return losses.view(targets.shape)
 
 
@@ -214,8 +222,8 @@ def collate(batch, block_size, shape=None):
 
 
 def packed_len(example):
-    """Length of the packed row: an ending's last token predicts nothing and no other token attends to
-    it, so it is scored but not fed in."""
+    """Length of the packed row: an ending's last token predicts nothing and no other token attends
+    to it, so it is scored but not fed in."""
     return len(example["ctx_tokens"]) + sum(len(e) - 1 for e in example["ending_tokens"])
 
 
@@ -246,13 +254,13 @@ def pack_rows(examples, T):
 
 def collate_packed(rows, shape=None):
     """Packed rows: each example is ctx + end1 + end2 + end3 + end4 (each ending without its last
-    token, see packed_len), and a row holds one or more examples one after the other, right-padded to
-    the longest row (or to a fixed (B, T) shape: extra rows are all padding). Each ending's position
-    ids restart at len(ctx) and the mask lets it see its own context and itself only, so it is scored
-    exactly as the row ctx + ending, but the context goes through the model once, not 4 times.
-    Returns idx, pos_ids (B, T), attn_mask (B, 1, T, T) and, for every scored token: its row, the
-    position that predicts it, the token, its ending (4 * example + i, examples numbered row by row)
-    (N,) each; counts (4E,) for the E examples."""
+    token, see packed_len), and a row holds one or more examples one after the other, right-padded
+    to the longest row (or to a fixed (B, T) shape: extra rows are all padding). Each ending's
+    position ids restart at len(ctx) and the mask lets it see its own context and itself only, so it
+    is scored exactly as the row ctx + ending, but the context goes through the model once, not 4
+    times. Returns idx, pos_ids (B, T), attn_mask (B, 1, T, T) and, for every scored token: its row,
+    the position that predicts it, the token, its ending (4 * example + i, examples numbered row by
+    row) (N,) each; counts (4E,) for the E examples."""
     B, T = shape or (len(rows), max(sum(packed_len(ex) for ex in row) for row in rows))
     idx = torch.zeros(B, T, dtype=torch.long)
     pos_ids = torch.zeros(B, T, dtype=torch.long)
@@ -265,7 +273,8 @@ def collate_packed(rows, shape=None):
         for ex in row:
             ctx = ex["ctx_tokens"]
             C = len(ctx)
-            idx[b, at:at + C], pos_ids[b, at:at + C], seg[b, at:at + C] = torch.tensor(ctx), torch.arange(C), 0
+            idx[b, at:at + C] = torch.tensor(ctx)
+            pos_ids[b, at:at + C], seg[b, at:at + C] = torch.arange(C), 0
             ex_id[b, at:at + packed_len(ex)] = e
             last_ctx = at + C - 1  # the context's last token predicts each ending's first
             at += C
@@ -281,24 +290,27 @@ def collate_packed(rows, shape=None):
                 at += E
             e += 1
     q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
-    same = ex_id[:, :, None] == ex_id[:, None, :]  # (B, T, T) same example; padding sees only padding
+    # (B, T, T) same example; padding sees only padding
+    same = ex_id[:, :, None] == ex_id[:, None, :]
     causal = pos_ids[:, None, :] <= pos_ids[:, :, None]  # (B, T, T) key position <= query position
     attn_mask = same & (((k_seg == 0) & (q_seg >= 0)) | (k_seg == q_seg)) & causal
     row_id = torch.tensor(row_id)
     counts = torch.bincount(row_id, minlength=4 * e)  # (4E,)
-    return idx, pos_ids, attn_mask[:, None], torch.tensor(seq_id), torch.tensor(pos), torch.tensor(tgt), row_id, counts
+    return (idx, pos_ids, attn_mask[:, None], torch.tensor(seq_id), torch.tensor(pos),
+            torch.tensor(tgt), row_id, counts)
 
 
 def is_compiled(model):
     return hasattr(model, "_orig_mod")  # torch.compile's wrapper; only its forward() is compiled
 
 
-def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None, attn_mask=None):
+def batch_losses(model, idx, row_id, pos, tgt, counts, packing=None):
     """Summed and mean ending losses per row (R,) for one padded batch: the token predicted at
-    idx[seq_id, pos] (seq_id defaults to row_id) counts for row row_id. Packed batches pass seq_id,
-    pos_ids and attn_mask from collate_packed."""
-    seq_id = row_id if seq_id is None else seq_id
-    if is_compiled(model):  # the compiled forward's full logits (one fixed shape), then the positions needed
+    idx[seq_id, pos] (seq_id is row_id unless packed) counts for row row_id. Packed batches pass
+    packing=(seq_id, pos_ids, attn_mask) from collate_packed."""
+    seq_id, pos_ids, attn_mask = packing or (row_id, None, None)
+    # the compiled forward's full logits (one fixed shape), then the positions needed
+    if is_compiled(model):
         logits = model(idx, pos=pos_ids, attn_mask=attn_mask)[0][seq_id, pos]  # (N, V)
     else:  # eager: run the blocks, then lm_head only at the positions that predict an ending token
         logits = model.lm_head(model.hidden_states(idx, pos_ids, attn_mask)[seq_id, pos])  # (N, V)
@@ -308,19 +320,20 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, seq_id=None, pos_ids=None
 
 
 @torch.no_grad()
-def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False, stop=None):
+def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False,
+             stop=None):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
-    summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit
-    block_size, else it is 4 rows (collate). An eager model gets one example per packed row, each batch
-    padded to its own longest row. A compiled model gets one fixed shape per path, so it compiles once
-    per evaluation set, not once per batch: batch_size packed rows of T tokens (T: this rank's longest
-    packed example, rounded up to 16), short examples sharing a row (pack_rows) instead of padding,
-    and (4 * batch_size, T') for the 4-row examples.
-    stop: None, or a callable asked before each batch (one process only: ranks hold different batches); when
-    it says True the evaluation ends there and returns {"stopped": True}.
-    Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label", "pred",
-    "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
+    summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings
+    fit block_size, else it is 4 rows (collate). An eager model gets one example per packed row,
+    each batch padded to its own longest row. A compiled model gets one fixed shape per path, so it
+    compiles once per evaluation set, not once per batch: batch_size packed rows of T tokens (T:
+    this rank's longest packed example, rounded up to 16), short examples sharing a row (pack_rows)
+    instead of padding, and (4 * batch_size, T') for the 4-row examples.
+    stop: None, or a callable asked before each batch (one process only: ranks hold different
+    batches); when it says True the evaluation ends there and returns {"stopped": True}.
+    Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label",
+    "pred", "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
     local = examples[rank::world_size]
@@ -330,43 +343,50 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
     packed_rows = [[ex] for ex in packed]
     packed_shape = rows_shape = None  # eager: each batch padded only to its own longest row
-    if is_compiled(model) and packed:  # T a multiple of 16: the memory-efficient kernel wants aligned mask rows
+    # T a multiple of 16: the memory-efficient kernel wants aligned mask rows
+    if is_compiled(model) and packed:
         packed_shape = (batch_size, min(-(-packed_len(packed[0]) // 16) * 16, block_size))
         packed_rows = pack_rows(packed, packed_shape[1])
     if is_compiled(model) and rows:
         rows_shape = (4 * batch_size, min(-(-longest(rows[0]) // 8) * 8, block_size))
-    batches = ([(packed_rows[i:i + batch_size], True) for i in range(0, len(packed_rows), batch_size)] +
-               [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
+    batches = ([(packed_rows[i:i + batch_size], True)
+                for i in range(0, len(packed_rows), batch_size)]
+               + [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
     was_training = raw.training
     raw.eval()
     results, n_cut, correct, correct_norm = [], 0, 0, 0
     device = plan.device
     to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     try:
-        bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress,
+                   dynamic_ncols=True)
         for batch, is_packed in batches:
             if stop is not None and stop():
                 bar.close()
                 return {"stopped": True}
             if is_packed:
-                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed(batch, packed_shape)
+                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = \
+                    collate_packed(batch, packed_shape)
+                packing = (to(seq_id), to(pos_ids), to(attn_mask))
                 batch, cut = [ex for row in batch for ex in row], 0
             else:
                 idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
-                pos_ids = attn_mask = seq_id = None
+                packing = None
             with precision.autocast(plan):
-                summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt), to(counts),
-                                            to(seq_id), to(pos_ids), to(attn_mask))  # (R,), (R,)
+                summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt),
+                                            to(counts), packing)  # (R,), (R,)
             E = len(batch)
             pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
             pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()
             for ex, p, pn in zip(batch, pred, pred_norm):
-                results.append({"index": ex["index"], "label": ex["label"], "pred": p, "pred_norm": pn})
+                results.append({"index": ex["index"], "label": ex["label"], "pred": p,
+                                "pred_norm": pn})
                 correct += p == ex["label"]
                 correct_norm += pn == ex["label"]
             n_cut += cut
             bar.update(E)
-            bar.set_postfix(acc=f"{correct / len(results):.4f}", acc_norm=f"{correct_norm / len(results):.4f}")
+            bar.set_postfix(acc=f"{correct / len(results):.4f}",
+                            acc_norm=f"{correct_norm / len(results):.4f}")
         bar.close()
     finally:
         raw.train(was_training)
@@ -374,7 +394,8 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     if world_size > 1:
         dist.all_reduce(counts)
     n, correct, correct_norm, truncated = counts.tolist()
-    return {"n": n, "acc": correct / n if n else float("nan"), "acc_norm": correct_norm / n if n else float("nan"),
+    return {"n": n, "acc": correct / n if n else float("nan"),
+            "acc_norm": correct_norm / n if n else float("nan"),
             "truncated": truncated, "examples": sorted(results, key=lambda r: r["index"])}
 
 # -----------------------------------------------------------------------------
@@ -382,37 +403,47 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
 
 
 def load_model(name_or_path):
-    """A GPT-2 name (Hugging Face hub), a save_pretrained directory, a train_gpt2.py checkpoint, or a run's
-    out_dir (its newest checkpoint)."""
+    """A GPT-2 name (Hugging Face hub), a save_pretrained directory, a train_gpt2.py checkpoint, or
+    a run's out_dir (its newest checkpoint)."""
     path = newest_checkpoint(name_or_path)
     if name_or_path in PRETRAINED:
         from huggingface_hub.constants import HF_HUB_CACHE
         print(f"model: {name_or_path} from the Hugging Face hub, cached under {HF_HUB_CACHE}")
     else:
-        run = f" (the newest checkpoint in the run folder {name_or_path})" if path != name_or_path else ""
+        run = ""
+        if path != name_or_path:
+            run = f" (the newest checkpoint in the run folder {name_or_path})"
         print(f"model: {path}{run}")
     return GPT.load(path)
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="hellaswag.py", description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
+    p = ArgumentParser(prog="hellaswag.py",
+                       description="Zero-shot HellaSwag accuracy (acc, acc_norm) of a GPT-2.")
     p.add_argument("--model", default=None,
-                   help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, a ckpt_*.pt, "
-                        "or a run's out_dir (its newest ckpt_*.pt)")
+                   help="gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl, a save_pretrained dir, "
+                        "a ckpt_*.pt, or a run's out_dir (its newest ckpt_*.pt)")
     p.add_argument("--split", default="val", choices=SPLITS)
-    p.add_argument("--data", default=None, help="a local jsonl file in the HellaSwag format (works offline)")
+    p.add_argument("--data", default=None,
+                   help="a local jsonl file in the HellaSwag format (works offline)")
     p.add_argument("--data_dir", default=DEFAULT_DIR, help="where the downloaded split is cached")
     p.add_argument("--limit", type=int, default=None, help="only the first N examples")
-    p.add_argument("--device", default="auto", help="auto (default: cuda if available), cpu, cuda, cuda:N, mps")
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda if available), cpu, cuda, cuda:N, mps")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
-                   help="autocast dtype; auto = the GPU's plan (bf16 on sm80+, fp16 on sm7x), fp32 on CPU")
-    p.add_argument("--batch_size", type=int, default=16, help="examples (4 rows each) per forward pass")
+                   help="autocast dtype; auto = the GPU's plan (bf16 on sm80+, fp16 on sm7x), fp32 "
+                        "on CPU")
+    p.add_argument("--batch_size", type=int, default=16,
+                   help="examples (4 rows each) per forward pass")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model first (as in training: packed rows at one fixed shape)")
-    p.add_argument("--json", default=None, help="write n, acc, acc_norm and per-example predictions here")
+                   help="torch.compile the model first (as in training: packed rows at one fixed "
+                        "shape)")
+    p.add_argument("--json", default=None,
+                   help="write n, acc, acc_norm and per-example predictions here")
     try:
         args = p.parse_args(argv)
-        plan = precision.make_plan(precision.resolve_device(args.device), args.precision, compile=args.compile)
+        plan = precision.make_plan(precision.resolve_device(args.device), args.precision,
+                                   compile=args.compile)
         if args.limit is not None and args.limit < 1:
             raise HellaSwagError(f"--limit must be at least 1, got {args.limit}")
         if args.batch_size < 1:
@@ -427,12 +458,16 @@ def main(argv=None):
     t0 = time.time()
     res = evaluate(model, examples, plan=plan, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
+    cut = ""
+    if res["truncated"]:
+        cut = f", {res['truncated']} cut to block_size {model.config.block_size}"
     print(f"hellaswag {'file ' + args.data if args.data else args.split}: {res['n']} examples, "
           f"acc {res['acc']:.4f}, acc_norm {res['acc_norm']:.4f} ({res['n'] / dt:.1f} examples/s"
-          + (f", {res['truncated']} cut to block_size {model.config.block_size})" if res["truncated"] else ")"))
+          f"{cut})")
     if args.json:
         try:
-            write_json(args.json, {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "examples")}, indent=None)
+            keys = ("n", "acc", "acc_norm", "truncated", "examples")
+            write_json(args.json, {k: res[k] for k in keys}, indent=None)
         except OSError as e:  # the path was checked: a full disk (exit 1)
             return fail(e)
         print(f"wrote {args.json}")

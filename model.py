@@ -2,21 +2,21 @@
 The GPT-2 model, in one file.
 
     from model import GPT, GPTConfig
-    model = GPT(GPTConfig())                       # 124M, random init
-    model = GPT.load("gpt2")                       # OpenAI weights (hub), a save_pretrained dir or a ckpt_*.pt
-    logits, _ = model(idx)                         # idx: (B, T) int64 -> logits (B, T, vocab)
-    _, loss = model(idx, targets)                  # the chunked cross-entropy: the loss, no logits
-    model.save_pretrained("out/hf")                # loads back with GPT2LMHeadModel.from_pretrained
+    model = GPT(GPTConfig())            # 124M, random init
+    model = GPT.load("gpt2")            # OpenAI weights (hub), a save_pretrained dir or a ckpt_*.pt
+    logits, _ = model(idx)              # idx: (B, T) int64 -> logits (B, T, vocab)
+    _, loss = model(idx, targets)       # the chunked cross-entropy: the loss, no logits
+    model.save_pretrained("out/hf")     # loads back with GPT2LMHeadModel.from_pretrained
 
 GPTConfig is the architecture a checkpoint saves; how a run executes the model is set apart from it
-(GPT(config, loss_impl="full") or model.set_runtime(...)): loss_impl="full" returns the logits with the
-loss (F.cross_entropy, fused into the graph when compiled), the default "chunked" never builds them
-(ce_chunk_rows rows of logits at a time); activation_checkpointing="blocks" or "every_other" recomputes
-those blocks in backward instead of keeping their activations.
+(GPT(config, loss_impl="full") or model.set_runtime(...)): loss_impl="full" returns the logits with
+the loss (F.cross_entropy, fused into the graph when compiled), the default "chunked" never builds
+them (ce_chunk_rows rows of logits at a time); activation_checkpointing="blocks" or "every_other"
+recomputes those blocks in backward instead of keeping their activations.
 
-Also here: FLOPs per token (gpt2train/precision.py has the MFU). The loss head is gpt2train/loss.py's.
-Checkpoints are read and checked by gpt2train/checkpoint.py; export.py writes the Hugging Face directory
-and the GGUF file. From the command line:
+Also here: FLOPs per token (gpt2train/precision.py has the MFU). The loss head is
+gpt2train/loss.py's. Checkpoints are read and checked by gpt2train/checkpoint.py; export.py writes
+the Hugging Face directory and the GGUF file. From the command line:
 
     python model.py                                  # parameter count and FLOPs of each GPT-2 size
     python model.py --help                           # the usage
@@ -52,8 +52,10 @@ class GPTConfig:
     attn_impl: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (masked softmax)
 
 
-CHECKPOINTING = ("none", "blocks", "every_other")  # activation checkpointing: no block, all, blocks 0, 2, 4, ...
-RUNTIME_KEYS = ("activation_checkpointing", "ce_chunk_rows", "loss_impl")  # run-time: older checkpoints' model_args
+# activation checkpointing: no block, all, blocks 0, 2, 4, ...
+CHECKPOINTING = ("none", "blocks", "every_other")
+# run-time: older checkpoints' model_args
+RUNTIME_KEYS = ("activation_checkpointing", "ce_chunk_rows", "loss_impl")
 
 
 # the four OpenAI checkpoints
@@ -80,7 +82,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.SCALE_INIT = True
 
     def forward(self, x, attn_mask=None):
-        """attn_mask: None means causal; else a bool mask broadcastable to (B, nh, T, T), True = attend."""
+        """Causal self-attention of x; attn_mask, if given, a bool mask broadcastable to
+        (B, nh, T, T) with True = attend."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -92,7 +95,9 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, T, hs)
         else:  # the textbook version, kept for the benchmark ladder
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if attn_mask is None else attn_mask
+            mask = attn_mask
+            if mask is None:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
             y = att @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -129,7 +134,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
 
-    def __init__(self, config, activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS, loss_impl="chunked"):
+    def __init__(self, config, activation_checkpointing="none", ce_chunk_rows=CE_CHUNK_ROWS,
+                 loss_impl="chunked"):
         super().__init__()
         self.config = config
         self.set_runtime(activation_checkpointing, ce_chunk_rows, loss_impl)
@@ -146,7 +152,8 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "SCALE_INIT", False):  # residual projections: keep the stream's variance
+            # residual projections: keep the stream's variance
+            if getattr(module, "SCALE_INIT", False):
                 std *= (2 * self.config.n_layer) ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -155,8 +162,9 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def zero_init_projections(self):
-        """The residual output projections' weights (attn.c_proj, mlp.c_proj) to 0: each block starts as the
-        identity (modded-nanogpt, nanochat). For a fresh model (the trainer's zero_init_proj, scratch runs)."""
+        """The residual output projections' weights (attn.c_proj, mlp.c_proj) to 0: each block
+        starts as the identity (modded-nanogpt, nanochat). For a fresh model (the trainer's
+        zero_init_proj, scratch runs)."""
         with torch.no_grad():
             for block in self.transformer.h:
                 block.attn.c_proj.weight.zero_()
@@ -164,13 +172,14 @@ class GPT(nn.Module):
         return self
 
     def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None, loss_impl=None):
-        """How this run executes the model, never part of its config or a checkpoint: the blocks recomputed in
-        backward (CHECKPOINTING), the chunked loss's rows of logits at a time and the loss head (LOSS_IMPLS).
-        None keeps the value. Set before torch.compile: the compiled graph guards on them."""
+        """How this run executes the model, never part of its config or a checkpoint: the blocks
+        recomputed in backward (CHECKPOINTING), the chunked loss's rows of logits at a time and the
+        loss head (LOSS_IMPLS). None keeps the value. Set before torch.compile: the compiled graph
+        guards on them."""
         if activation_checkpointing is not None:
             if activation_checkpointing not in CHECKPOINTING:
-                raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of "
-                                 f"{', '.join(CHECKPOINTING)}")
+                raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not "
+                                 f"one of {', '.join(CHECKPOINTING)}")
             self.activation_checkpointing = activation_checkpointing
         if ce_chunk_rows is not None:
             if type(ce_chunk_rows) is not int or ce_chunk_rows < 1:
@@ -188,7 +197,8 @@ class GPT(nn.Module):
         continuations of one prefix in one row, as in hellaswag.py) pass their own position ids
         pos (B, T) and a bool attn_mask broadcastable to (B, n_head, T, T), True = attend."""
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of length {T} is longer than block_size {self.config.block_size}"
+        assert T <= self.config.block_size, \
+            f"sequence of length {T} is longer than block_size {self.config.block_size}"
         if pos is None:
             pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
@@ -200,15 +210,17 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)  # (B, T, C)
 
     def checkpointed(self, i):
-        """Whether block i runs under activation checkpointing (only when gradients are being recorded)."""
+        """Whether block i is checkpointed: its mode says so and gradients are being recorded."""
         mode = self.activation_checkpointing
-        return torch.is_grad_enabled() and (mode == "blocks" or mode == "every_other" and i % 2 == 0)
+        every_other = mode == "every_other" and i % 2 == 0
+        return torch.is_grad_enabled() and (mode == "blocks" or every_other)
 
     def forward(self, idx, targets=None, pos=None, attn_mask=None):
         """(logits (B, T, vocab_size), None) without targets. With targets, the mean cross-entropy
-        (targets of -1 are masked out), from gpt2train/loss.py's loss_head: loss_impl="chunked" returns
-        (None, loss) and never builds the full logits; "full" returns (logits, loss) from F.cross_entropy.
-        pos and attn_mask are for packed sequences (see hidden_states): a compiled model takes them here."""
+        (targets of -1 are masked out), from gpt2train/loss.py's loss_head: loss_impl="chunked"
+        returns (None, loss) and never builds the full logits; "full" returns (logits, loss) from
+        F.cross_entropy. pos and attn_mask are for packed sequences (see hidden_states): a compiled
+        model takes them here."""
         h = self.hidden_states(idx, pos, attn_mask)  # (B, T, C)
         if targets is None:
             return self.lm_head(h), None  # (B, T, vocab_size)
@@ -240,7 +252,8 @@ class GPT(nn.Module):
                 cand = None
                 if top_k is not None and top_k < logits.size(-1):
                     logits, cand = torch.topk(logits, top_k, dim=-1)  # (B, k), (B, k)
-                choice = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+                probs = F.softmax(logits, dim=-1)
+                choice = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
                 idx_next = choice if cand is None else torch.gather(cand, -1, choice)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
@@ -257,7 +270,8 @@ class GPT(nn.Module):
             return cls(config or GPTConfig())
         if spec.endswith(".pt") or os.path.isfile(spec):
             return cls.from_checkpoint(spec)
-        if os.path.isdir(spec) and any(n.startswith("ckpt_") and n.endswith(".pt") for n in os.listdir(spec)):
+        if os.path.isdir(spec) and any(n.startswith("ckpt_") and n.endswith(".pt")
+                                       for n in os.listdir(spec)):
             raise UserError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
         return cls.from_pretrained(spec, verbose=verbose)
 
@@ -267,51 +281,64 @@ class GPT(nn.Module):
         first use) or any GPT-2 directory written by transformers' save_pretrained (offline)."""
         from transformers import GPT2LMHeadModel
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
-            raise UserError(f"model {name_or_path!r} is not scratch, a GPT-2 name ({', '.join(PRETRAINED)}), "
-                            "a directory written by save_pretrained or a ckpt_*.pt file")
+            raise UserError(f"model {name_or_path!r} is not scratch, a GPT-2 name "
+                            f"({', '.join(PRETRAINED)}), a directory written by save_pretrained or "
+                            "a ckpt_*.pt file")
         if verbose:
-            where = "the Hugging Face hub (cached after the first download)" if name_or_path in PRETRAINED else "disk"
+            where = "disk"
+            if name_or_path in PRETRAINED:
+                where = "the Hugging Face hub (cached after the first download)"
             print(f"loading GPT-2 weights {name_or_path!r} from {where}")
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path)
         except OSError as e:  # offline, no cache, or a directory without weights
             raise UserError(f"could not load {name_or_path!r}: {str(e).splitlines()[0]} "
-                             "(hub names need network on first use; or pass a save_pretrained directory)") from None
+                             "(hub names need network on first use; or pass a save_pretrained "
+                             "directory)") from None
         c = hf.config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UserError(f"{name_or_path!r} uses activation {c.activation_function!r}; only GPT-2's tanh GELU "
-                            "is supported")
-        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                           n_embd=c.n_embd)
+            raise UserError(f"{name_or_path!r} uses activation {c.activation_function!r}; only "
+                            "GPT-2's tanh GELU is supported")
+        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                           n_head=c.n_head, n_embd=c.n_embd)
         model = cls(config)
         sd = model.state_dict()
-        sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        buffers = (".attn.bias", ".attn.masked_bias")
+        sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith(buffers)}
         if set(sd) != set(sd_hf):
             raise UserError(f"{name_or_path!r} does not have GPT-2's layout: unexpected "
-                            f"{sorted(set(sd_hf) - set(sd))[:3]}, missing {sorted(set(sd) - set(sd_hf))[:3]}")
+                            f"{sorted(set(sd_hf) - set(sd))[:3]}, missing "
+                            f"{sorted(set(sd) - set(sd_hf))[:3]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
                 if k.endswith(_CONV1D):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
                     v = v.t()
-                assert sd[k].shape == v.shape, f"shape mismatch for {k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
+                assert sd[k].shape == v.shape, \
+                    f"shape mismatch for {k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
                 sd[k].copy_(v)
         return model
 
     @classmethod
     def from_checkpoint(cls, ckpt):
-        """Load the model from one of train_gpt2.py's checkpoints (a ckpt_XXXXXX.pt path, or the dict
-        read_checkpoint() returned): its 'model_args' build the GPTConfig and 'model' holds the
-        state_dict (no compile/DDP prefixes); older ones' run-time settings there (RUNTIME_KEYS) are left out.
-        A wrong shape or key is one UserError line."""
-        path, ckpt = (ckpt, read_checkpoint(ckpt)) if isinstance(ckpt, str) else ("the checkpoint", ckpt)
+        """Load the model from one of train_gpt2.py's checkpoints (a ckpt_XXXXXX.pt path, or the
+        dict read_checkpoint() returned): its 'model_args' build the GPTConfig and 'model' holds the
+        state_dict (no compile/DDP prefixes); older ones' run-time settings there (RUNTIME_KEYS) are
+        left out. A wrong shape or key is one UserError line."""
+        path = "the checkpoint"
+        if isinstance(ckpt, str):
+            path, ckpt = ckpt, read_checkpoint(ckpt)
         try:
-            config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k not in RUNTIME_KEYS})
-            check_config(config, ckpt["model"])  # before building: a foreign dict never sizes the model
+            args = ckpt["model_args"]
+            config = GPTConfig(**{k: v for k, v in args.items() if k not in RUNTIME_KEYS})
+            # before building: a foreign dict never sizes the model
+            check_config(config, ckpt["model"])
             model = cls(config)
             model.load_state_dict(ckpt["model"])
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError, AttributeError) as e:
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"{path} does not hold a GPT of ours ({type(e).__name__}: {msg})") from None
+            raise UserError(f"{path} does not hold a GPT of ours "
+                            f"({type(e).__name__}: {msg})") from None
+
         return model
 
     def save_pretrained(self, out_dir):
@@ -320,9 +347,10 @@ class GPT(nn.Module):
         from transformers import GPT2Config, GPT2LMHeadModel
         c = self.config
         vocab = min(c.vocab_size, GPT2_VOCAB_SIZE)
-        hf_config = GPT2Config(vocab_size=vocab, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                               n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                               attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+        hf_config = GPT2Config(vocab_size=vocab, n_positions=c.block_size, n_embd=c.n_embd,
+                               n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                               layer_norm_epsilon=1e-5, tie_word_embeddings=True)
         hf = GPT2LMHeadModel(hf_config)
         sd_hf = hf.state_dict()
         with torch.no_grad():
@@ -374,11 +402,15 @@ def main(argv):
     if argv in ([], ["sizes"]):
         print_sizes()
         return 0
-    if argv[0] == "export":  # the export's old home, kept for a while: the same arguments, run by export.py
-        print("note: `python model.py export` is now `python export.py`; running that", file=sys.stderr)
+    # the export's old home, kept for a while: the same arguments, run by export.py
+    if argv[0] == "export":
+        print("note: `python model.py export` is now `python export.py`; running that",
+              file=sys.stderr)
         export_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export.py")
         return subprocess.call([sys.executable, export_py, *argv[1:]])
-    return fail(UserError(f"expected `sizes`, got {' '.join(argv)!r}; {USAGE} (the export: python export.py)"))
+    return fail(UserError(f"expected `sizes`, got {' '.join(argv)!r}; {USAGE} "
+                          "(the export: python export.py)"))
+
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ import sys
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing
 
 # -----------------------------------------------------------------------------
-# reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as hellaswag.py)
-# GPT-2 124M and 1558M: 0.2955 and 0.4893 over the 10,042 val rows, karpathy/build-nanogpt hellaswag.py
-# docstring (also llm.c dev/data/hellaswag.py; our docs/hellaswag.md table). GPT-2 350M and 774M: 0.3752 and
-# 0.4320, the `hella2_baseline` table of karpathy/build-nanogpt play.ipynb (llm.c's evaluation; it has
-# 0.2945 for 124M, so these two may sit ~0.001 off this method). GPT-3: zero-shot HellaSwag of Brown et
-# al. 2020 (arXiv:2005.14165, appendix H: every task at every size), as in the `hella3_baseline` table of
-# the same play.ipynb; GPT-3's sizes are 125M, 350M, 760M and 1.3B, the nearest to GPT-2's four.
+# reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as
+# hellaswag.py) GPT-2 124M and 1558M: 0.2955 and 0.4893 over the 10,042 val rows,
+# karpathy/build-nanogpt hellaswag.py docstring (also llm.c dev/data/hellaswag.py; our
+# docs/hellaswag.md table). GPT-2 350M and 774M: 0.3752 and 0.4320, the `hella2_baseline` table of
+# karpathy/build-nanogpt play.ipynb (llm.c's evaluation; it has 0.2945 for 124M, so these two may
+# sit ~0.001 off this method). GPT-3: zero-shot HellaSwag of Brown et al. 2020 (arXiv:2005.14165,
+# appendix H: every task at every size), as in the `hella3_baseline` table of the same play.ipynb;
+# GPT-3's sizes are 125M, 350M, 760M and 1.3B, the nearest to GPT-2's four.
 HELLASWAG_REFS = {  # GPT-2 size: [(label, acc_norm)]
     "124M": [("OpenAI GPT-2 124M", 0.2955), ("OpenAI GPT-3 125M", 0.337)],
     "350M": [("OpenAI GPT-2 350M", 0.3752), ("OpenAI GPT-3 350M", 0.436)],
@@ -33,14 +34,16 @@ HELLASWAG_REFS = {  # GPT-2 size: [(label, acc_norm)]
 # OpenAI GPT-2 124M's loss on the FineWeb-Edu val shard: 3.2924 (build-nanogpt play.ipynb,
 # `loss_baseline`). No published FineWeb-Edu number for the larger sizes, so no line for them.
 VAL_LOSS_REFS = {"124M": [("OpenAI GPT-2 124M on FineWeb-Edu val", 3.29)]}
-GPT2_SHAPES = {"124M": (12, 768), "350M": (24, 1024), "774M": (36, 1280), "1558M": (48, 1600)}  # (n_layer, n_embd)
+# (n_layer, n_embd)
+GPT2_SHAPES = {"124M": (12, 768), "350M": (24, 1024), "774M": (36, 1280), "1558M": (48, 1600)}
 
 
 def reference_size(n_layer, n_embd):
-    """The GPT-2 size whose references a run is compared with: the one nearest in 12 * n_layer * n_embd^2
-    (the non-embedding parameters), on a log scale; models smaller than 124M get 124M's."""
+    """The GPT-2 size whose references a run is compared with: the one nearest in 12 * n_layer *
+    n_embd^2 (the non-embedding parameters), on a log scale; models smaller than 124M get 124M's."""
     n = 12 * n_layer * n_embd ** 2
-    return min(GPT2_SHAPES, key=lambda s: abs(math.log(n / (12 * GPT2_SHAPES[s][0] * GPT2_SHAPES[s][1] ** 2))))
+    size_of = lambda s: 12 * GPT2_SHAPES[s][0] * GPT2_SHAPES[s][1] ** 2  # noqa: E731
+    return min(GPT2_SHAPES, key=lambda s: abs(math.log(n / size_of(s))))
 
 # -----------------------------------------------------------------------------
 # reading a run
@@ -58,16 +61,20 @@ def read_run(run_dir):
     try:
         with open(config_path) as f:
             config = json.load(f)
-        config = config.get("resolved", config)  # {"asked", "resolved", "changed"}; older runs: the config itself
+        # {"asked", "resolved", "changed"}; older runs: the config itself
+        config = config.get("resolved", config)
         tokens_per_step = int(config["total_batch_size"])
-        config["n_layer"], config["n_embd"] = int(config.get("n_layer", 12)), int(config.get("n_embd", 768))
+        config["n_layer"] = int(config.get("n_layer", 12))
+        config["n_embd"] = int(config.get("n_embd", 768))
         if min(tokens_per_step, config["n_layer"], config["n_embd"]) < 1:
             raise ValueError("total_batch_size, n_layer and n_embd must be positive")
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
-        raise UserError(f"{config_path} is not a train_gpt2.py config ({type(e).__name__}: {e})") from None
+        raise UserError(f"{config_path} is not a train_gpt2.py config "
+                        f"({type(e).__name__}: {e})") from None
     series = {"train": {}, "val": {}, "hellaswag": {}}
     keys = {"train": "loss", "val": "val_loss", "hellaswag": "hellaswag_acc_norm"}
-    with open(log_path, errors="replace") as f:  # (a line of bytes that are not UTF-8 does not parse: skipped)
+    # (a line of bytes that are not UTF-8 does not parse: skipped)
+    with open(log_path, errors="replace") as f:
         for line in f:
             try:
                 row = json.loads(line)
@@ -104,14 +111,16 @@ def smoothing_span(n):
 
 
 def train_lines(ys):
-    """[(values, line style, legend label or None)] of a train-loss curve: raw and faint under its smoothed
-    line, or (a run under 200 steps, span 1: nothing to smooth) raw alone, labelled as what it is."""
+    """[(values, line style, legend label or None)] of a train-loss curve: raw and faint under its
+    smoothed line, or (a run under 200 steps, span 1: nothing to smooth) raw alone, labelled as what
+    it is."""
     span = smoothing_span(len(ys))
     if not ys:
         return []
     if span == 1:
         return [(ys, {}, "train")]
-    return [(ys, {"alpha": 0.2, "linewidth": 0.8}, None), (smooth(ys, span), {}, f"train (smoothed, {span} steps)")]
+    return [(ys, {"alpha": 0.2, "linewidth": 0.8}, None),
+            (smooth(ys, span), {}, f"train (smoothed, {span} steps)")]
 
 # -----------------------------------------------------------------------------
 # drawing
@@ -136,25 +145,31 @@ def draw(runs, out):
         label = f"{run['name']} ({c.get('n_layer', '?')}L {c.get('n_embd', '?')}d)"
         xs, ys = run["train"]
         for values, style, what in train_lines(ys):
-            ax_loss.plot(xs, values, color=color, **style, **({"label": f"{label} {what}"} if what else {}))
+            ax_loss.plot(xs, values, color=color, **style,
+                         **({"label": f"{label} {what}"} if what else {}))
         xs, ys = run["val"]
         if xs:
             ax_loss.plot(xs, ys, color=color, linestyle="--", marker=".", label=f"{label} val")
         xs, ys = run["hellaswag"]
         if xs:
             ax_hs.plot(xs, ys, color=color, marker=".", label=label)
-    sizes = sorted({reference_size(r["config"].get("n_layer", 12), r["config"].get("n_embd", 768)) for r in runs},
+    sizes = sorted({reference_size(r["config"].get("n_layer", 12),
+                                   r["config"].get("n_embd", 768)) for r in runs},
                    key=list(GPT2_SHAPES).index)
-    fineweb = any(r["config"].get("data_source", "fineweb") == "fineweb" and not r["config"].get("data") for r in runs)
+    fineweb = any(r["config"].get("data_source", "fineweb") == "fineweb"
+                  and not r["config"].get("data") for r in runs)
     for i, size in enumerate(sizes):
         for (label, y), style in zip(VAL_LOSS_REFS.get(size, []) if fineweb else [], [":"]):
-            ax_loss.axhline(y, color="red", linestyle=style, linewidth=1, label=f"{label} ({y:.2f})")
+            ax_loss.axhline(y, color="red", linestyle=style, linewidth=1,
+                            label=f"{label} ({y:.2f})")
         for (label, y), color in zip(HELLASWAG_REFS[size], ["red", "green"]):
-            ax_hs.axhline(y, color=color, linestyle=(0, (4, 2 + 2 * i)), linewidth=1, label=f"{label} ({y:.4g})")
+            ax_hs.axhline(y, color=color, linestyle=(0, (4, 2 + 2 * i)), linewidth=1,
+                          label=f"{label} ({y:.4g})")
     ax_loss.set(title="loss", xlabel="tokens seen", ylabel="loss", yscale="log")
     ax_hs.set(title="HellaSwag acc_norm (zero-shot)", xlabel="tokens seen", ylabel="acc_norm")
     if not any(r["hellaswag"][0] for r in runs):
-        ax_hs.text(0.5, 0.5, "no HellaSwag evals in log.jsonl", transform=ax_hs.transAxes, ha="center")
+        ax_hs.text(0.5, 0.5, "no HellaSwag evals in log.jsonl", transform=ax_hs.transAxes,
+                   ha="center")
     plain = FuncFormatter(lambda y, _pos: f"{y:g}")  # 3.5, not 3.5 x 10^0, on the log axis
     ax_loss.yaxis.set_major_formatter(plain)
     ax_loss.yaxis.set_minor_formatter(plain)
@@ -164,7 +179,8 @@ def draw(runs, out):
         ax.legend(fontsize="small")
     ext = os.path.splitext(out)[1].lstrip(".").lower() or "png"
     if ext not in fig.canvas.get_supported_filetypes():
-        raise UserError(f"--out {out}: matplotlib cannot write .{ext} files; use .png, .pdf or .svg")
+        raise UserError(f"--out {out}: matplotlib cannot write .{ext} files; "
+                        "use .png, .pdf or .svg")
     with replacing(out, suffix=".tmp." + ext) as tmp:
         fig.savefig(tmp, format=ext, dpi=110)
 
@@ -185,9 +201,9 @@ _noted = False
 
 
 def refresh(out_dir, say=print):
-    """Redraw out_dir/curves.png when matplotlib (optional) is installed; without it, nothing and no word
-    (plot.py says how to get it). Never raises: the first problem (an unreadable log...) is said once, as a
-    note, and later ones stay silent. Returns True when the file was written."""
+    """Redraw out_dir/curves.png when matplotlib (optional) is installed; without it, nothing and no
+    word (plot.py says how to get it). Never raises: the first problem (an unreadable log...) is
+    said once, as a note, and later ones stay silent. Returns True when the file was written."""
     global _noted
     try:
         if missing_matplotlib() is not None:
@@ -206,17 +222,22 @@ def refresh(out_dir, say=print):
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="plot.py", description="Plot train/val loss and HellaSwag of train_gpt2.py runs.")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of a run (holds log.jsonl and config.json)")
+    p = ArgumentParser(prog="plot.py",
+                       description="Plot train/val loss and HellaSwag of train_gpt2.py runs.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="out_dir of a run (holds log.jsonl and config.json)")
     p.add_argument("--out", default=None, metavar="PNG",
-                   help="image to write (.png, .pdf, .svg); default RUN_DIR/curves.png for one run, curves.png "
-                        "for several")
+                   help="image to write (.png, .pdf, .svg); default RUN_DIR/curves.png for one "
+                        "run, curves.png for several")
     try:
         args = p.parse_args(argv)
         note = missing_matplotlib()
-        if note:  # a package the command needs, as bench.py --plot and the trainer's --tensorboard: exit 2
+        # a package the command needs, as bench.py --plot and the trainer's --tensorboard: exit 2
+        if note:
             raise UserError(note)
-        out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png")
+        out = args.out
+        if not out:
+            out = os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1 else "curves.png"
         runs = [read_run(d) for d in args.runs]
         check_output_file(out, "--out")
         draw(runs, out)

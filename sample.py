@@ -3,15 +3,15 @@ Text from a GPT-2: one of train_gpt2.py's checkpoints, a save_pretrained directo
 or an OpenAI name (gpt2 .. gpt2-xl, from the Hugging Face hub on first use).
 
     python sample.py --model out/gpt2_124m/ckpt_019073.pt --prompt "Hello, I'm a language model,"
-    python sample.py --model out/quickstart --prompt "def"          # a run's folder: its newest checkpoint
+    python sample.py --model out/quickstart --prompt "def"  # a run's folder: its newest checkpoint
     python sample.py --model out/hf --prompt_file prompt.txt --num_samples 3 --max_new_tokens 200
-    python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0     # greedy: one sample
+    python sample.py --model gpt2 --prompt "The meaning of life is" --temperature 0  # greedy
 
 Each sample is printed token by token as it is generated, on stdout (status lines go to stderr). A
 sample ends after --max_new_tokens or at <|endoftext|>, as transformers' generate() does. With no
 prompt, samples start from <|endoftext|>, i.e. from the start of a document. The same --seed on the
-same device and precision gives the same text. Greedy decoding (--temperature 0, or --top_k 1) has one
-answer, so it prints one sample whatever --num_samples says.
+same device and precision gives the same text. Greedy decoding (--temperature 0, or --top_k 1) has
+one answer, so it prints one sample whatever --num_samples says.
 """
 import codecs
 import sys
@@ -29,8 +29,9 @@ from gpt2train.tokenizer import EOT, get_encoding
 
 
 def generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, generator, plan):
-    """Yield the new token ids one at a time, <|endoftext|> included (and last) if the model emits it.
-    One GPT.generate step per token with the same generator: the very tokens of one long generate call."""
+    """Yield the new token ids one at a time, <|endoftext|> included (and last) if the model emits
+    it. One GPT.generate step per token with the same generator: the very tokens of one long
+    generate call."""
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=plan.device)  # (1, T)
     for _ in range(max_new_tokens):
         with precision.autocast(plan):
@@ -42,8 +43,8 @@ def generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, gener
 
 
 def stream_text(enc, token_ids):
-    """Yield the text of token_ids piece by piece. A character split across tokens (emoji, CJK) is held
-    back until complete, so the pieces join to exactly enc.decode(token_ids)."""
+    """Yield the text of token_ids piece by piece. A character split across tokens (emoji, CJK) is
+    held back until complete, so the pieces join to exactly enc.decode(token_ids)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in token_ids:
         piece = decoder.decode(enc.decode_single_token_bytes(t))
@@ -63,7 +64,8 @@ def read_prompt(args, enc):
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+            reason = getattr(e, 'strerror', None) or e
+            raise UserError(f"--prompt_file {args.prompt_file}: {reason}") from None
     return text, enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
 
 # -----------------------------------------------------------------------------
@@ -72,38 +74,47 @@ def read_prompt(args, enc):
 
 def main(argv=None):
     p = ArgumentParser(prog="sample.py",
-                       description="Sample text from a GPT-2 checkpoint, save_pretrained dir or GPT-2 name.")
+                       description="Sample text from a GPT-2 checkpoint, save_pretrained dir or "
+                                   "GPT-2 name.")
     p.add_argument("--model", required=True,
-                   help="a ckpt_*.pt, a run's out_dir (its newest ckpt), a save_pretrained dir, or gpt2 .. gpt2-xl")
-    p.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
+                   help="a ckpt_*.pt, a run's out_dir (its newest ckpt), a save_pretrained dir, or "
+                        "gpt2 .. gpt2-xl")
+    p.add_argument("--prompt", default=None,
+                   help="text to continue (default: start a new document)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax): one sample")
-    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens; 0 = all")
+    p.add_argument("--top_k", type=int, default=50,
+                   help="sample from the k most likely tokens; 0 = all")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="autocast dtype; auto = bf16 on sm80+, fp16 on sm7x, else fp32")
-    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731 - status lines stay out of the text
+    # status lines stay out of the text
+    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     try:
         args = p.parse_args(argv)
         for key in ("num_samples", "max_new_tokens"):
             if getattr(args, key) < 1:
                 raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
         if not args.temperature >= 0 or args.top_k < 0:  # (NaN fails >= 0 too)
-            raise UserError(f"--temperature and --top_k must not be negative, got {args.temperature} and {args.top_k}")
-        device = precision.resolve_device(args.device)  # first: a GPU torch cannot use is one line, not a CPU run
+            raise UserError("--temperature and --top_k must not be negative, got "
+                            f"{args.temperature} and {args.top_k}")
+        # first: a GPU torch cannot use is one line, not a CPU run
+        device = precision.resolve_device(args.device)
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
         plan = precision.make_plan(device, args.precision, compile=False)
-        path = newest_checkpoint(args.model, warn=say)  # a run's out_dir: its newest readable ckpt_*.pt
+        # a run's out_dir: its newest readable ckpt_*.pt
+        path = newest_checkpoint(args.model, warn=say)
         if path != args.model:
-            say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, {path}")
+            say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "
+                f"{path}")
         model = GPT.load(path, verbose=False)
         if model.config.vocab_size < enc.n_vocab:
-            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than GPT-2's "
-                            f"{enc.n_vocab} tokens")
+            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than "
+                            f"GPT-2's {enc.n_vocab} tokens")
     except (UserError, OSError) as e:
         return fail(e)
     model.to(plan.device).eval()
@@ -111,14 +122,16 @@ def main(argv=None):
         f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")
     generator = torch.Generator(device=plan.device).manual_seed(args.seed)
     num_samples = args.num_samples
-    if (args.temperature == 0 or args.top_k == 1) and num_samples > 1:  # every sample would be the same text
+    # every sample would be the same text
+    if (args.temperature == 0 or args.top_k == 1) and num_samples > 1:
         what = "--temperature 0" if args.temperature == 0 else "--top_k 1"
-        say(f"note: {what} is greedy decoding, the same text every time: printing 1 sample, not {num_samples}")
+        say(f"note: {what} is greedy decoding, the same text every time: printing 1 sample, not "
+            f"{num_samples}")
         num_samples = 1
     for i in range(num_samples):
         sys.stdout.write(text)
-        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k or None,
-                                 generator, plan)
+        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature,
+                                 args.top_k or None, generator, plan)
         for piece in stream_text(enc, (t for t in tokens if t != EOT)):
             sys.stdout.write(piece)
             sys.stdout.flush()

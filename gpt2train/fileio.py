@@ -2,8 +2,8 @@
 Atomic file writes, shared by the scripts: every checkpoint, shard, manifest and JSON report is
 written under a temp name beside its target, flushed to disk, then renamed over it. A crash, a full
 disk or Ctrl-C leaves the previous file as it was, never a half-written one under the real name.
-What is written follows the user's umask, whatever the writer made the temp with: files 0666 & ~umask
-(0644 under umask 022), folders 0777 & ~umask.
+What is written follows the user's umask, whatever the writer made the temp with: files 0666 &
+~umask (0644 under umask 022), folders 0777 & ~umask.
 
     from gpt2train.fileio import replacing, write_json
     with replacing("out/ckpt_000100.pt") as tmp:
@@ -18,7 +18,7 @@ the one exit-code convention of every script (fail) and the argparse parser that
     try:
         ...
     except (UserError, OSError) as e:
-        return fail(e)                            # one line on stderr; 2 for bad input, 1 for a failed machine
+        return fail(e)  # one line on stderr; 2 for bad input, 1 for a failed machine
 """
 import argparse
 import errno
@@ -51,16 +51,20 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def fail(e, quiet=False):
-    """The last word of every script on an error it expects: prints `error: ...` (one line, on stderr;
-    nothing when quiet, e.g. on ranks other than 0) and returns the exit code. 2: a UserError, bad input
-    or usage (the message names the input and the fix). 1: an OSError while working, the machine's
-    failure rather than the input's (a full disk, an I/O error); files are written temp-then-rename, so
-    the previous ones are intact and the same command runs again once the machine is fixed."""
+    """The last word of every script on an error it expects: prints `error: ...` (one line, on
+    stderr; nothing when quiet, e.g. on ranks other than 0) and returns the exit code. 2: a
+    UserError, bad input or usage (the message names the input and the fix). 1: an OSError while
+    working, the machine's failure rather than the input's (a full disk, an I/O error); files are
+    written temp-then-rename, so the previous ones are intact and the same command runs again once
+    the machine is fixed."""
     if isinstance(e, UserError):
         message, code = str(e), 2
-    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder the user chose but cannot write: 2
+    # a folder the user chose but cannot write: 2
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         what = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        message, code = f"{what}{e.strerror or e}; choose a folder you can write to, or change its permissions", 2
+        message = (f"{what}{e.strerror or e}; choose a folder you can write to, "
+                   "or change its permissions")
+        code = 2
     elif isinstance(e, DiskFull):
         message, code = f"{e.filename}: {e.strerror}", 1
     else:
@@ -75,8 +79,9 @@ def fail(e, quiet=False):
 
 
 def launcher_note(line):
-    """Under torchrun, the error line into this worker's error file as well: torchrun's failure summary,
-    printed last, then shows it instead of "To enable traceback see ..." (the line above stays visible)."""
+    """Under torchrun, the error line into this worker's error file as well: torchrun's failure
+    summary, printed last, then shows it instead of "To enable traceback see ..." (the line above
+    stays visible)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
@@ -87,18 +92,21 @@ def launcher_note(line):
 
 
 def check_output_file(path, option):
-    """UserError unless path can take a file written by an option (--json, --out, ...): not a folder,
-    in a folder that exists. Checked before the work, so a long run never ends on a bad path."""
+    """UserError unless path can take a file written by an option (--json, --out, ...): not a
+    folder, in a folder that exists. Checked before the work, so a long run never ends on a bad
+    path."""
     if os.path.isdir(path):
-        raise UserError(f"{option} {path} is a folder: name the file to write, e.g. {os.path.join(path, 'out')}")
+        raise UserError(f"{option} {path} is a folder: name the file to write, e.g. "
+                        f"{os.path.join(path, 'out')}")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise UserError(f"{option} {path}: its folder does not exist; create it first")
 
 
 @contextmanager
 def naming(path):
-    """An OSError raised inside that names no file (a write's ENOSPC, np.save's short write, which do
-    not) is raised again naming path, so that the one line fail() prints says which file it was."""
+    """An OSError raised inside that names no file (a write's ENOSPC, np.save's short write, which
+    do not) is raised again naming path, so that the one line fail() prints says which file it
+    was."""
     try:
         yield
     except OSError as e:
@@ -129,14 +137,15 @@ def chmod(target, mode):
 @contextmanager
 def replacing(path, suffix=".tmp"):
     """Yields a temp path beside path; when the block succeeds the file gets mode 0666 & ~umask, is
-    fsynced and renamed to path. On an error the temp file is removed and path is untouched. (suffix:
-    e.g. ".tmp.png" for writers that pick the format from the name.)"""
+    fsynced and renamed to path. On an error the temp file is removed and path is untouched.
+    (suffix: e.g. ".tmp.png" for writers that pick the format from the name.)"""
     tmp = path + suffix
     try:
         with naming(path):
             yield tmp
             with open(tmp, "rb+") as f:
-                chmod(f.fileno(), 0o666 & ~umask())  # the user's umask, whatever mode the writer made it with
+                # the user's umask, whatever mode the writer made it with
+                chmod(f.fileno(), 0o666 & ~umask())
                 os.fsync(f.fileno())
             os.replace(tmp, path)
     finally:
@@ -145,8 +154,8 @@ def replacing(path, suffix=".tmp"):
 
 
 def missing_dirs(path):
-    """The folders of path, itself included, that do not exist yet, deepest first: what os.makedirs(path)
-    would make, so that remove_empty_dirs can take them away again."""
+    """The folders of path, itself included, that do not exist yet, deepest first: what
+    os.makedirs(path) would make, so that remove_empty_dirs can take them away again."""
     missing, d = [], os.path.abspath(path)
     while not os.path.isdir(d) and os.path.dirname(d) != d:
         missing.append(d)
@@ -155,8 +164,8 @@ def missing_dirs(path):
 
 
 def remove_empty_dirs(dirs):
-    """Remove the folders missing_dirs listed (deepest first), as long as they are empty: one that holds
-    anything stays, and so do those above it."""
+    """Remove the folders missing_dirs listed (deepest first), as long as they are empty: one that
+    holds anything stays, and so do those above it."""
     for d in dirs:
         try:
             os.rmdir(d)
@@ -172,17 +181,20 @@ def write_json(path, obj, indent=1):
 
 @contextmanager
 def replacing_dir(path):
-    """Yields a new empty directory beside path; when the block succeeds its files (0666 & ~umask) and
-    folders (0777 & ~umask) are given the umask's modes, the files fsynced, and it takes path's place (an
-    existing path is moved aside first, deleted after the swap). On an error path is left untouched."""
+    """Yields a new empty directory beside path; when the block succeeds its files (0666 & ~umask)
+    and folders (0777 & ~umask) are given the umask's modes, the files fsynced, and it takes path's
+    place (an existing path is moved aside first, deleted after the swap). On an error path is left
+    untouched."""
     path = os.path.normpath(path)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path) or ".")
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-",
+                           dir=os.path.dirname(path) or ".")
     try:
         with naming(path):
             yield tmp
             mask = umask()
             for root, _, names in os.walk(tmp):
-                chmod(root, 0o777 & ~mask)  # mkdtemp's 0700 and the writers' modes: the user's umask
+                # mkdtemp's 0700 and the writers' modes: the user's umask
+                chmod(root, 0o777 & ~mask)
                 for name in names:
                     with open(os.path.join(root, name), "rb+") as f:
                         chmod(f.fileno(), 0o666 & ~mask)

@@ -1,16 +1,18 @@
 """
-GPT-2's loss head, the one function model.py calls: lm_head's logits and their cross-entropy, in one of two ways.
+GPT-2's loss head, the one function model.py calls: lm_head's logits and their cross-entropy, in one
+of two ways.
 
     from gpt2train.loss import loss_head, loss_chunk_rows
-    logits, loss = loss_head(h, lm_head.weight, targets, "full")           # inside the compiled model's graph
-    _, loss = loss_head(h, lm_head.weight, targets, "chunked", rows)       # never the (B*T, V) logits
+    logits, loss = loss_head(h, lm_head.weight, targets, "full")  # inside the compiled graph
+    _, loss = loss_head(h, lm_head.weight, targets, "chunked", rows)  # never the (B*T, V) logits
 
-"full" is F.cross_entropy over the whole (B*T, V) logits: where the model is compiled, inductor fuses it into the
-model's one graph (no graph break; what autograd keeps is the logits in the compute dtype, ~2 bytes a logit).
-"chunked" is the memory fallback (plans that do not compile, micro-batches where the full logits do not fit): an
-eager loop over rows of logits, in place, by design outside any compiled graph (one graph break). Which one a run
-uses is memory.py's decision (memory.choose_loss_impl); loss_chunk_rows sizes the chunks; memory.py counts both
-heads' bytes (loss_head_temp_bytes) without importing model.py.
+"full" is F.cross_entropy over the whole (B*T, V) logits: where the model is compiled, inductor
+fuses it into the model's one graph (no graph break; what autograd keeps is the logits in the
+compute dtype, ~2 bytes a logit). "chunked" is the memory fallback (plans that do not compile,
+micro-batches where the full logits do not fit): an eager loop over rows of logits, in place, by
+design outside any compiled graph (one graph break). Which one a run uses is memory.py's decision
+(memory.choose_loss_impl); loss_chunk_rows sizes the chunks; memory.py counts both heads' bytes
+(loss_head_temp_bytes) without importing model.py.
 """
 import functools
 
@@ -18,50 +20,59 @@ import torch
 from torch.nn import functional as F
 
 CE_CHUNK_ROWS = 1024  # the default chunk: 1024 x 50304 fp32 logits = 197 MiB
-LOSS_IMPLS = ("full", "chunked")  # the loss head's two forms (the trainer's loss_impl adds "auto": memory.py's)
+# the loss head's two forms (the trainer's loss_impl adds "auto": memory.py's)
+LOSS_IMPLS = ("full", "chunked")
 
 
 def loss_head(h, weight, targets, impl="chunked", chunk_rows=CE_CHUNK_ROWS):
-    """(logits (B, T, V) or None, the mean cross-entropy) of h (B, T, C) against targets (B, T), -1 ignored,
-    through weight (V, C): impl "full" (the logits too) or "chunked" (chunk_rows rows of logits at a time)."""
+    """(logits (B, T, V) or None, the mean cross-entropy) of h (B, T, C) against targets (B, T), -1
+    ignored, through weight (V, C): impl "full" (the logits too) or "chunked" (chunk_rows rows of
+    logits at a time)."""
     if impl == "chunked":  # (the graph ends at h: the call breaks it, by design)
         return None, chunked_cross_entropy(h, weight, targets, chunk_rows)
     logits = F.linear(h, weight)  # (B, T, V)
-    return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
 
 # -----------------------------------------------------------------------------
 # chunked cross-entropy: the loss without the (B*T, vocab) logits and log-softmax
 #
-# Eager by design: the chunk loop is kept out of torch.compile (torch.compiler.disable, one graph break), each
-# chunk computed in place over one fp32 buffer. Traced, the loop unrolled into the graph and inductor's compile
-# time grew with the chunk count (tiny model, CPU, 64x1024: 28.8 s at 1 chunk, 110.8 s at 64); a per-chunk body
-# compiled on its own and called from this disabled region ran op by op on a GPU under torch 2.11 (71 bytes a
-# logit instead of 11, +15 GiB: dev/ records it). Where the model compiles and the logits fit, "full" is faster.
+# Eager by design: the chunk loop is kept out of torch.compile (torch.compiler.disable, one graph
+# break), each chunk computed in place over one fp32 buffer. Traced, the loop unrolled into the
+# graph and inductor's compile time grew with the chunk count (tiny model, CPU, 64x1024: 28.8 s at 1
+# chunk, 110.8 s at 64); a per-chunk body compiled on its own and called from this disabled region
+# ran op by op on a GPU under torch 2.11 (71 bytes a logit instead of 11, +15 GiB: dev/ records it).
+# Where the model compiles and the logits fit, "full" is faster.
 
 def loss_chunk_bytes(chunk_rows, vocab_size, dtype=torch.float32):
     """Bytes one chunk of the chunked loss holds at once: its (rows, V) fp32 logits/probabilities
-    plus their copy in the compute dtype (none in fp32): the bf16 logits, then the bf16 dL/dlogits."""
+    plus their copy in the compute dtype (none in fp32): the bf16 logits, then the bf16
+    dL/dlogits."""
     cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
     return chunk_rows * vocab_size * (4 + cast)
 
 
-FP16_CHUNK_ROWS = 1024  # fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
+# fp16: a chunk's unscaled (V, C) weight-gradient product sums its rows; keep it < 65504
+FP16_CHUNK_ROWS = 1024
 
 
 def addmm_fp32(acc, a, b):
-    """acc += a @ b, in place, for a fp32 acc and 16-bit a, b: the product summed in fp32 inside the matmul and
-    added to acc there (aten's addmm with out_dtype: CUDA only), no 16-bit product tensor."""
+    """acc += a @ b, in place, for a fp32 acc and 16-bit a, b: the product summed in fp32 inside the
+    matmul and added to acc there (aten's addmm with out_dtype: CUDA only), no 16-bit product
+    tensor."""
     return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 @functools.cache
 def fp32_out_matmul(device, dtype):
-    """Whether addmm_fp32 runs on this device for this 16-bit dtype and gives the fp32 sum: a tiny probe, once per
-    (device, dtype) a process (older torch, a GPU without the kernel, the CPU: False; the caller keeps the
-    16-bit product and fp16's FP16_CHUNK_ROWS cap)."""
+    """Whether addmm_fp32 runs on this device for this 16-bit dtype and gives the fp32 sum: a tiny
+    probe, once per (device, dtype) a process (older torch, a GPU without the kernel, the CPU:
+    False; the caller keeps the 16-bit product and fp16's FP16_CHUNK_ROWS cap)."""
     try:
-        with torch.autocast(device.type, enabled=False):  # the forward may ask first, under the model's autocast
-            a = torch.full((64, 8), 64, dtype=dtype, device=device)  # a.t() @ a: 64 * 64 * 64 = 262144 > 65504
+        # the forward may ask first, under the model's autocast
+        with torch.autocast(device.type, enabled=False):
+            # a.t() @ a: 64 * 64 * 64 = 262144 > 65504
+            a = torch.full((64, 8), 64, dtype=dtype, device=device)
             acc = torch.ones(8, 8, device=device)
             addmm_fp32(acc, a.t(), a)
             return acc.dtype == torch.float32 and bool((acc == 262145).all().item())
@@ -70,43 +81,50 @@ def fp32_out_matmul(device, dtype):
 
 
 def fp16_capped(dtype, device):
-    """Whether a chunk's rows stay at FP16_CHUNK_ROWS: fp16 where the weight-gradient product is an fp16
-    tensor (no fp32-out matmul on device; device None: the cap, as if none)."""
-    return dtype == torch.float16 and (device is None or not fp32_out_matmul(torch.device(device), dtype))
+    """Whether a chunk's rows stay at FP16_CHUNK_ROWS: fp16 where the weight-gradient product is an
+    fp16 tensor (no fp32-out matmul on device; device None: the cap, as if none)."""
+    if dtype != torch.float16:
+        return False
+    return device is None or not fp32_out_matmul(torch.device(device), dtype)
 
 
 def loss_chunk_rows(n_rows, vocab_size, budget_bytes=None, dtype=torch.float32, device=None):
-    """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64 rows each
-    (tensor-core shapes) when the budget allows 64, of at most budget_bytes each (loss_chunk_bytes);
-    budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer unless device has the
-    fp32-out matmul (fp16_capped)."""
-    cap = CE_CHUNK_ROWS if budget_bytes is None else budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
+    """Rows per chunk for n_rows = B*T rows of logits: the fewest equal chunks, a multiple of 64
+    rows each (tensor-core shapes) when the budget allows 64, of at most budget_bytes each
+    (loss_chunk_bytes); budget None: 1024-row chunks. fp16 chunks stay at FP16_CHUNK_ROWS or fewer
+    unless device has the fp32-out matmul (fp16_capped)."""
+    cap = CE_CHUNK_ROWS
+    if budget_bytes is not None:
+        cap = budget_bytes // loss_chunk_bytes(1, vocab_size, dtype)
     cap = max(1, min(cap, FP16_CHUNK_ROWS) if fp16_capped(dtype, device) else cap)
     if n_rows <= cap:
         return n_rows  # one chunk
     align = 64 if cap >= 64 else 1
     cap -= cap % align
     n_chunks = -(-n_rows // cap)
-    return -(-n_rows // (n_chunks * align)) * align  # ceil(n_rows / n_chunks), rounded up to align: still <= cap
+    # ceil(n_rows / n_chunks), rounded up to align: still <= cap
+    return -(-n_rows // (n_chunks * align)) * align
 
 
 def loss_head_temp_bytes(n_rows, vocab_size, n_embd, chunk_rows, dtype=torch.float32, device=None):
-    """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh and
-    dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit dtype
-    lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_; none where device has
-    the fp32-out matmul: addmm_fp32); an (N, C) fp32."""
+    """An upper bound on what the chunked loss allocates beyond what it keeps for backward (dL/dh
+    and dL/dW fp32), for memory.training_bytes_estimate: one chunk (loss_chunk_bytes); in a 16-bit
+    dtype lm_head's weight cast and one (V, C) weight-gradient product (none in fp32: addmm_; none
+    where device has the fp32-out matmul: addmm_fp32); an (N, C) fp32."""
     cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
-    product = 0 if cast == 0 or device is not None and fp32_out_matmul(torch.device(device), dtype) else cast
+    fp32_out = device is not None and fp32_out_matmul(torch.device(device), dtype)
+    product = 0 if cast == 0 or fp32_out else cast
     chunk = loss_chunk_bytes(min(chunk_rows, n_rows), vocab_size, dtype)
     return chunk + (cast + product) * vocab_size * n_embd + n_rows * n_embd * 4
 
 
 def full_head_bytes(n_rows, vocab_size, dtype=torch.float32, compiled=False):
-    """(bytes the full head keeps for backward, bytes its backward allocates on top) for n_rows = B*T rows of
-    vocab_size logits, lm_head's input and the returned logits not counted. Eager F.cross_entropy under autocast
-    keeps an fp32 (N, V) log-softmax, and its backward allocates two fp32 (N, V) gradients and the dL/dlogits in
-    the compute dtype. Compiled (inductor fuses the softmax into its reductions) it keeps a log-sum-exp per row
-    beside the logits, and its backward writes only dL/dlogits in the compute dtype (H200, 64 x 1024: +11.9 GiB)."""
+    """(bytes the full head keeps for backward, bytes its backward allocates on top) for n_rows =
+    B*T rows of vocab_size logits, lm_head's input and the returned logits not counted. Eager
+    F.cross_entropy under autocast keeps an fp32 (N, V) log-softmax, and its backward allocates two
+    fp32 (N, V) gradients and the dL/dlogits in the compute dtype. Compiled (inductor fuses the
+    softmax into its reductions) it keeps a log-sum-exp per row beside the logits, and its backward
+    writes only dL/dlogits in the compute dtype (H200, 64 x 1024: +11.9 GiB)."""
     a = torch.finfo(dtype).bits // 8
     if compiled:
         return n_rows * 4, n_rows * vocab_size * a
@@ -115,45 +133,54 @@ def full_head_bytes(n_rows, vocab_size, dtype=torch.float32, compiled=False):
 
 @torch.compiler.disable
 def chunked_cross_entropy(h, weight, targets, chunk_rows=CE_CHUNK_ROWS):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (..., C), weight (V, C), targets (...),
-    chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run in the autocast dtype
-    (else weight's), the softmax in fp32, as autocast would run the unchunked version; eager, in place."""
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (..., C), weight (V, C),
+    targets (...), chunk_rows rows of logits at a time (loss_chunk_rows picks them). The matmuls run
+    in the autocast dtype (else weight's), the softmax in fp32, as autocast would run the unchunked
+    version; eager, in place."""
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)  # (N, C), (N,)
     device_type = h.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad)
 
 
 def chunk_loss(hc, w, tgt, keep, need_grad=True):
-    """One chunk's (summed loss, n_valid * dL/dlogits in hc's dtype) for hc (n, C), w (V, C), tgt (n, 1) and
-    keep (n,) bool, in place over one fp32 (n, V) buffer (loss_chunk_bytes); dlogits None without need_grad."""
+    """One chunk's (summed loss, n_valid * dL/dlogits in hc's dtype) for hc (n, C), w (V, C), tgt
+    (n, 1) and keep (n,) bool, in place over one fp32 (n, V) buffer (loss_chunk_bytes); dlogits None
+    without need_grad."""
     logits = (hc @ w.t()).float()  # (n, V)
     target_logit = logits.gather(1, tgt)  # (n, 1)
     top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
-    exp = logits.sub_(top).exp_()  # (n, V) in place of the logits: one exp pass serves loss and grad
+    # (n, V) in place of the logits: one exp pass serves loss and grad
+    exp = logits.sub_(top).exp_()
     total = exp.sum(dim=-1, keepdim=True)  # (n, 1)
-    loss_sum = ((top + total.log() - target_logit).squeeze(1) * keep).sum()  # logsumexp - target logit
+    # logsumexp - target logit
+    loss_sum = ((top + total.log() - target_logit).squeeze(1) * keep).sum()
     if not need_grad:
         return loss_sum, None
-    # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it would flush small probabilities to 0
+    # 1/n_valid is applied after the matmuls, in fp32: folded into fp16 dlogits it would flush small
+    # probabilities to 0
     exp.mul_(keep[:, None] / total)
-    exp.scatter_add_(1, tgt, -keep[:, None].float())  # softmax minus the one-hot target; ignored rows 0
+    # softmax minus the one-hot target; ignored rows 0
+    exp.scatter_add_(1, tgt, -keep[:, None].float())
     return loss_sum, exp.to(hc.dtype)  # (n, V) n_valid * dL/dlogits, in the compute dtype
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The loss is the end of the graph, so its gradients are known in the forward pass: each chunk's
-    logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into that chunk's
-    rows of dL/dh and added into one fp32 dL/dweight. backward only scales them, once, by the incoming
-    gradient (1/grad_accum, the loss scale) over n_valid. No second
-    lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and dL/dweight (V, C, fp32)
-    instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
+    """The loss is the end of the graph, so its gradients are known in the forward pass: each
+    chunk's logits give softmax - one_hot (dL/dlogits in the compute dtype), turned at once into
+    that chunk's rows of dL/dh and added into one fp32 dL/dweight. backward only scales them, once,
+    by the incoming gradient (1/grad_accum, the loss scale) over n_valid. No second
+    lm_head matmul, no recompute; what stays for backward is dL/dh (N, C) and dL/dweight (V, C,
+    fp32) instead of the (N, V) fp32 log-softmax (and the (N, V) logits)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, dtype, chunk_rows, need_grad):
         N = h.size(0)
-        fp32_out = dtype != torch.float32 and fp32_out_matmul(h.device, dtype)  # probed once per process
+        # probed once per process
+        fp32_out = dtype != torch.float32 and fp32_out_matmul(h.device, dtype)
         rows = min(N, chunk_rows, FP16_CHUNK_ROWS if fp16_capped(dtype, h.device) else chunk_rows)
         with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
             h = h.detach()
@@ -162,7 +189,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             n_valid = valid.sum().float()
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(h) if need_grad else None  # (N, C)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32,
+                                 device=weight.device) if need_grad else None
             for i in range(0, N, rows):
                 hc, keep = h[i:i + rows].to(dtype), valid[i:i + rows]  # (n, C), (n,)
                 tgt = targets[i:i + rows].clamp(min=0)[:, None]  # (n, 1); ignored rows point at 0
@@ -176,17 +204,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     if dtype == torch.float32:
                         grad_w.addmm_(dlogits.t(), hc)  # (V, C), accumulated inside the matmul
                     elif fp32_out:
-                        addmm_fp32(grad_w, dlogits.t(), hc)  # (V, C), summed and accumulated in fp32 inside it
+                        # (V, C), summed and accumulated in fp32 inside it
+                        addmm_fp32(grad_w, dlogits.t(), hc)
                     else:
                         grad_w += dlogits.t() @ hc  # (V, C) compute-dtype product into the fp32 sum
                     del dlogits  # the chunk goes before the next one comes
             if need_grad:
-                ctx.save_for_backward(grad_h, grad_w, n_valid)  # n_valid * the gradients: backward divides
+                # n_valid * the gradients: backward divides
+                ctx.save_for_backward(grad_h, grad_w, n_valid)
             ctx.weight_dtype = weight.dtype
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid  # (): one pass over each gradient for the mean and the incoming gradient
+        # (): one pass over each gradient for the mean and the incoming gradient
+        scale = grad_loss / n_valid
         return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None

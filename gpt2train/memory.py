@@ -101,7 +101,10 @@ def activation_bytes_estimate(step, micro_batch):
     if config.attn_impl == "sdpa":
         per_layer += B * nh * T * 4
     else:
-        per_layer += B * nh * T * T * (4 if a == 4 else 6 if step.device_type == "cuda" else 2) + T * T
+        score = 4  # bytes a (B, nh, T, T) element keeps
+        if a != 4:
+            score = 6 if step.device_type == "cuda" else 2
+        per_layer += B * nh * T * T * score + T * T
     n_ckpt = checkpointed_layers(L, step.activation_checkpointing)
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
@@ -514,19 +517,3 @@ def dividing_micro_batch(step, micro_batch):
     """The largest micro-batch up to micro_batch whose rows over the ranks divide total_batch_size, or None."""
     rows = step.rows  # rows per rank per optimizer step
     return max(b for b in range(1, min(micro_batch, rows) + 1) if rows % b == 0) if rows else None
-
-
-def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
-    """One line for a run that ran out of memory (e): what ran out, at which micro-batch, and what to try.
-    device_type None: before the run was set up (the model and its optimizer state)."""
-    cpu = device_type in ("cpu", "mps") or device_type is None and not isinstance(e, torch.OutOfMemoryError)
-    what = "CPU RAM" if cpu else "GPU memory"
-    if B is None:
-        return (f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true "
-                "under torchrun, or a device with more memory")
-    auto = "" if cpu else "--micro_batch_size=auto, "  # (on CPU auto keeps the micro-batch it was given)
-    smaller = max((b for b in range(1, B) if (B * grad_accum) % b == 0), default=None)  # keeps the step's rows
-    eg = f" (e.g. {smaller}" if smaller else " ("
-    return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try {auto}a smaller "
-            f"--micro_batch_size{eg}{'; ' if smaller else ''}total_batch_size stays, by more accumulation steps) or "
-            "--activation_checkpointing=blocks")

@@ -74,7 +74,11 @@ def resolve_device(name="auto", local_rank=0):
     if name == "auto":
         if not torch.cuda.is_available() and nvidia_driver():
             raise UserError(unusable_gpu("torch.cuda.is_available() is False"))
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = "cpu"
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif torch.backends.mps.is_available():
+            name = "mps"
     kind, _, index = name.partition(":")
     if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
         raise UserError(f"device {name!r} is not one of auto, cpu, cuda, cuda:N, mps")
@@ -437,6 +441,22 @@ def is_oom(e):
     """Out of memory: CUDA's (cuBLAS failing to allocate its workspace too) and the CPU allocator's."""
     return isinstance(e, torch.OutOfMemoryError) or any(
         s in str(e) for s in ("out of memory", "ALLOC_FAILED", "can't allocate memory", "DefaultCPUAllocator"))
+
+
+def out_of_memory_message(e, device_type=None, B=None, T=None, grad_accum=None):
+    """One line for a run that ran out of memory (e): what ran out, at which micro-batch, and what to try.
+    device_type None: before the run was set up (the model and its optimizer state)."""
+    cpu = device_type in ("cpu", "mps") or device_type is None and not isinstance(e, torch.OutOfMemoryError)
+    what = "CPU RAM" if cpu else "GPU memory"
+    if B is None:
+        return (f"out of {what} while setting up (the model and its optimizer state): use a smaller model, fsdp=true "
+                "under torchrun, or a device with more memory")
+    auto = "" if cpu else "--micro_batch_size=auto, "  # (on CPU auto keeps the micro-batch it was given)
+    smaller = max((b for b in range(1, B) if (B * grad_accum) % b == 0), default=None)  # keeps the step's rows
+    eg = f" (e.g. {smaller}" if smaller else " ("
+    return (f"out of {what} at micro-batch {B} x {T} (grad_accum {grad_accum}): try {auto}a smaller "
+            f"--micro_batch_size{eg}{'; ' if smaller else ''}total_batch_size stays, by more accumulation steps) or "
+            "--activation_checkpointing=blocks")
 
 # -----------------------------------------------------------------------------
 # peak FLOP/s and MFU

