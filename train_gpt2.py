@@ -85,7 +85,7 @@ def main(argv):
         return 3
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):
-            print(f"error: rank {env.rank}: " if env.ddp else "error: ", memory.out_of_memory_message(
+            print(f"error: rank {env.rank}: " if env.ddp else "error: ", precision.out_of_memory_message(
                 e, run and run.plan.device_type, run and run.B, run and run.T, run and run.grad_accum),
                 sep="", file=sys.stderr)
             return 1
