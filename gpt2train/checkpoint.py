@@ -3,7 +3,7 @@ A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newes
 changes on resume, and the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
-    ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
+    ckpt, overrides = resume_overrides(out_dir, cfg, given)   # the checkpoint to continue from, what it fixes
     save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master, **extra)
     restore(ckpt, raw_model, optimizers, scaler, loader, device)   # what it continues from, put back
 
@@ -29,6 +29,8 @@ import torch
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
 from gpt2train.fileio import DiskFull, UserError, missing_dirs, remove_empty_dirs, replacing
+from gpt2train.guard import Diverged, remedy
+from gpt2train.logger import print0, warn0
 from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
@@ -47,10 +49,11 @@ def checkpoint_files(out_dir):
     return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
 
 
-def held_steps(out_dir, warn=None):
+def held_steps(out_dir, skipped=None):
     """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
-    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
-    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
+    by the name). An unreadable (truncated, foreign) file is left out, its warning (naming it) appended
+    to the list skipped when given. The steps are read with mmap: the zip's directory and one number,
+    not the tensors."""
     held = []
     for _, path in checkpoint_files(out_dir):
         try:
@@ -58,11 +61,21 @@ def held_steps(out_dir, warn=None):
         except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
             why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
             why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
-            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
+            if skipped is not None:
+                skipped.append(f"skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
     return sorted(held, reverse=True)
 
 
-def newest_checkpoint(spec, warn=print):
+def warned_held_steps(out_dir):
+    """held_steps, each unreadable file left out said in one warning line (warn0)."""
+    skipped = []
+    held = held_steps(out_dir, skipped)
+    for line in skipped:
+        warn0(line)
+    return held
+
+
+def newest_checkpoint(spec):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
     readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
     sample.py, hellaswag.py and export.py take a run folder this way. A run's folder with no
@@ -71,7 +84,7 @@ def newest_checkpoint(spec, warn=print):
     if not files and is_run_folder(spec):
         raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
                         "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
-    held = held_steps(spec, warn) if files else []
+    held = warned_held_steps(spec) if files else []
     return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
 
 
@@ -133,15 +146,15 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
-def latest_checkpoint(out_dir, warn=print):
+def latest_checkpoint(out_dir):
     """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
     name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it;
     only the chosen file is read in full."""
-    for _, path in held_steps(out_dir, warn):
+    for _, path in warned_held_steps(out_dir):
         try:
             return path, read_checkpoint(path)
         except UserError as e:
-            warn(f"warning: skipping {path}: {e}")
+            warn0(f"skipping {path}: {e}")
     return None, None
 
 
@@ -161,7 +174,7 @@ def run_out_dir(cfg, given):
     return cfg.out_dir
 
 
-def resume_overrides(out_dir, cfg, given, say=print):
+def resume_overrides(out_dir, cfg, given):
     """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value} it
     fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one, auto
     takes one if there is one. A model shape, init_from or optimizer the user set that differs from the
@@ -179,7 +192,7 @@ def resume_overrides(out_dir, cfg, given, say=print):
             raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at "
                             "the run")
         return None, {}
-    path, ckpt = latest_checkpoint(out_dir, warn=say)
+    path, ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         raise UserError(f"out_dir {out_dir!r} holds ckpt_*.pt files but none is readable: choose another --out_dir")
     saved, model_args = ckpt.get("config", {}), ckpt["model_args"]
@@ -196,10 +209,28 @@ def resume_overrides(out_dir, cfg, given, say=print):
     overrides = {k: saved.get(k, BEFORE_THE_KEY.get(k)) for k in RUN_KEYS if k in saved or k in BEFORE_THE_KEY}
     changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})" for k, v in overrides.items() if v != getattr(cfg, k)]
     if changed:
-        say(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the run; "
-            f"to change them start a new run in another out_dir")
+        print0(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the "
+               "run; to change them start a new run in another out_dir")
     ckpt["path"] = path
     return ckpt, overrides
+
+
+def resume_point(cfg, given, env, device, lock):
+    """(out_dir, the checkpoint to continue from or None, {key: value} it fixes): out_dir taken for
+    this run (rank 0 holds its lock), the resume decision made (resume_overrides), every rank
+    continuing from the same step."""
+    out_dir = run_out_dir(cfg, given)
+    if env.master:
+        lock.acquire(out_dir)
+    ckpt, overrides = resume_overrides(out_dir, cfg, given)
+    if env.ddp:  # out_dir must be one folder all nodes see
+        held = float(ckpt["step"]) if ckpt is not None else -1.0
+        if agree(held, "min", device) != agree(held, "max", device):
+            mine = f"step {ckpt['step']}" if ckpt is not None else "none"
+            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
+                            f"{mine}): put out_dir on a filesystem every node sees, or copy the newest "
+                            "ckpt_*.pt to every node's out_dir")
+    return out_dir, ckpt, overrides
 
 
 def evals_done_at(ckpt):
@@ -225,6 +256,37 @@ def prune_checkpoints(out_dir, step, keep_last, keep=()):
     older = [path for s, path in held_steps(out_dir) if s < step and s not in keep]
     for path in older[keep_last - 1:] if keep_last > 0 else []:
         os.remove(path)
+
+
+BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a new out_dir and resume "
+               "there with a larger --max_steps)")
+
+
+def save_run(run, step, progress, branch, evals_done=True):
+    """Check on every rank that the state is finite (so that all stop alike), write the trainer's
+    checkpoint of step on rank 0 and delete those keep_last no longer keeps (never wsd's cooldown
+    start, branch, or run.kept); note it in progress (the loop's state) and return its path."""
+    cfg = run.cfg
+    if not finite_state(run.raw_model, run.optimizers, run.plan.device):
+        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
+                       f"so it is not written: the run diverged (newest checkpoint: "
+                       f"{progress.newest or 'none'}); {remedy(cfg)}")
+    t = time.time()
+    path = checkpoint_path(cfg.out_dir, step)
+    save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(cfg),
+                    run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
+                    guard=progress.guard.state_dict(), kept=list(run.kept))
+    if run.env.master:
+        prune_checkpoints(cfg.out_dir, step, cfg.keep_last, keep=(branch, *run.kept))
+        note = BRANCH_NOTE if step == branch and step < cfg.max_steps else ""
+        print0(f"step {step:6d} | saved {path}{note}")
+    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
+    progress.saved_step = step
+    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop: a step, a save
+    if note and not progress.warned_grace:  # once a run
+        progress.warned_grace = True
+        print0(note)
+    return path
 
 
 def rng_state(device):

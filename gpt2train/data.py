@@ -27,6 +27,7 @@ import torch
 
 from gpt2train import shards
 from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing_dir, write_json
+from gpt2train.logger import print0
 
 # -----------------------------------------------------------------------------
 # shards
@@ -227,7 +228,7 @@ def source_files(data):
         paths = shards.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         skipped = unknown_files(data)
         if skipped:  # named, so that a file the user meant to train on is not left out without a word
-            print(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
+            print0(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
                   f".parquet: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
         if not paths:
             raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
@@ -310,17 +311,17 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
         same = False
     broken = same and shards.startup_problems(cache)  # a shard deleted or cut short: made again
     if broken:
-        print(f"data: {cache}: {broken[0]}: tokenizing {data} again")
+        print0(f"data: {cache}: {broken[0]}: tokenizing {data} again")
     elif same:  # reused as it is, even when too small for this run: never split again for a seq_len
         check_rows(data, cache, T, rows)
-        print(f"data: {data} as tokenized before, in {cache}")
+        print0(f"data: {data} as tokenized before, in {cache}")
         return
     if os.path.isdir(cache):  # ours (made here) but stale: replaced as a whole rather than mixed with old shards
         ours = {CACHE_FILE, shards.MANIFEST, *shards.loose_shards(cache)}
         if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
     size = sum(s for _, s, _ in stamp["files"])
-    print(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
+    print0(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
     made = missing_dirs(os.path.dirname(os.path.abspath(cache)))  # the folders above cache: removed on a failure
     if made:
         os.makedirs(made[0])
@@ -329,7 +330,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
             said = io.StringIO()
             with contextlib.redirect_stdout(said):  # fineweb.py's lines name the temp folder: the cache's name
                 tokenize_into(files, tmp, *split_plan(size), text_column)
-            print(said.getvalue().replace(tmp, cache), end="")
+            print0(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
             if resume is not None:
                 text_changed(data, cache, tmp, resume)
@@ -404,7 +405,7 @@ def prepare_python_corpus(data_dir):
         broken = os.path.exists(manifest) and shards.startup_problems(data_dir)
         if not broken:
             return
-        print(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
+        print0(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
     foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", shards.MANIFEST}
     if foreign and not has_shards(data_dir):
         raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
@@ -421,7 +422,7 @@ def prepare_python_corpus(data_dir):
         with open(files[-1], "w", encoding="utf-8") as f:
             f.write(text)
     files += python_sources()
-    print(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
+    print0(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
           f"{len(files) - len(topics)} standard library modules")
     shards.build(data_dir, source=files, prefix="python", shard_size=PYTHON_SHARD_SIZE,
                  val_fraction=PYTHON_VAL_FRACTION)
@@ -443,3 +444,34 @@ def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, tex
     if os.path.isdir(data_dir):
         check_shards(data_dir)  # every rank: the shards it will read, against the manifest
     return data_dir
+
+
+def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
+    """The shard folder the run reads (prepare: rank 0 builds, the others check they see it), each split
+    holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained on is kept
+    when the text changed."""
+    resume = None
+    if ckpt is not None and isinstance(ckpt.get("loader"), dict):
+        resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]}
+    data_dir = prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
+                       build=env.master, text_column=cfg.text_column, resume=resume)
+    for split in ("train", "val"):
+        shard_paths(data_dir, split)  # (one line if not)
+    return data_dir
+
+
+def make_loaders(cfg, data_dir, B, T, env, vocab_size):
+    """(the train loader, the val loader or None when evals are off, the val_steps an eval runs):
+    val_steps is capped to the val split, said in one line, so that no row counts twice (a mistyped
+    --val_steps=100000 read the split over and over)."""
+    world = env.world_size
+    train = TokenLoader(data_dir, "train", B, T, env.rank, world, vocab_size, cfg.shuffle, cfg.seed)
+    if cfg.eval_interval == 0:
+        return train, None, cfg.val_steps
+    val = TokenLoader(data_dir, "val", B, T, env.rank, world, vocab_size, shuffle=False)
+    rows, most = cfg.val_steps * B * world, max(1, val.n_rows // (B * world))
+    if cfg.val_steps > most:
+        print0(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val split "
+               f"holds {val.n_rows:,}: evaluating val_steps={most} instead ({most * B * world:,} rows, "
+               "each at most once)")
+    return train, val, min(cfg.val_steps, most)

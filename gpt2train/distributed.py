@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -130,6 +131,30 @@ def rank0_first(work, env, startup):
                 print(f"error: rank {env.rank}: {why}", file=sys.stderr)
             raise (UserError if worst == 2 else OSError)(why)
     return result
+
+
+class OverRanks(NamedTuple):
+    loss: object  # 0-d tensor: the loss averaged over the ranks
+    counts: object  # 1-D tensor on the device: how many ranks ask for each ask, or None alone
+
+
+def over_ranks(loss, asks, env):
+    """The loss averaged over the ranks and how many ranks ask for each of asks (numbers), in one
+    all_reduce (SUM) under torchrun, so that every rank decides alike; the counts stay on the device
+    for optim.optimizer_step to read with the loss and the norm, in one transfer. Alone: (loss, None)."""
+    if not env.ddp:
+        return OverRanks(loss, None)
+    stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
+    dist.all_reduce(stats)
+    return OverRanks(stats[0] / env.world_size, stats[1:])
+
+
+def peer_failure_line(e, rank):
+    """The error line for a peer that stopped answering (dist_timeout) or went away (peer_failure(e))."""
+    why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    return (f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): check "
+            "that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints "
+            "written so far are intact, continue with --resume=auto")
 
 
 def peer_failure(e):

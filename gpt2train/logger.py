@@ -1,7 +1,13 @@
 """
-Where the trainer's numbers go besides the console: out_dir/log.jsonl always, and TensorBoard event
-files and a Weights & Biases run when the config asks for them; also the console's ETA and the
-progress bar of a long step. train_gpt2.py uses it on rank 0 only.
+The one printer (print0, warn0: rank 0's console lines) and where the trainer's numbers go besides
+the console: out_dir/log.jsonl always, TensorBoard event files and a Weights & Biases run when the
+config asks for them; also the console's ETA, the progress bar of a long step and the end-of-run
+summary.
+
+    set_rank(env.rank)                  # once, in the trainer's main: print0 prints on rank 0 only
+    print0(f"step {step} | ...")        # every console line of the package and the commands
+    warn0("torch.compile failed ...")   # the same, as "warning: ..."
+    with redirect0(sys.stderr): ...     # print0's lines to stderr (sample.py), or None: nowhere
 
     python train_gpt2.py configs/quickstart.py --tensorboard=true        # then: tensorboard --logdir out
     WANDB_MODE=offline python train_gpt2.py configs/quickstart.py --wandb_project=gpt2
@@ -14,16 +20,55 @@ WANDB_ENTITY, ...).
 """
 import atexit
 import collections
+import contextlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
 
 from gpt2train.fileio import UserError, naming, replacing, write_json
+
+# -----------------------------------------------------------------------------
+# the one printer: rank 0's console
+
+RANK = 0  # this process's rank (set_rank): print0 prints on rank 0 only
+STREAM = []  # redirect0's streams, innermost last (None: nowhere); empty: sys.stdout
+
+
+def set_rank(rank):
+    """Tell print0 this process's rank, once, before the first line (the trainer's main)."""
+    global RANK
+    RANK = rank
+
+
+def print0(*args, file=None, **kwargs):
+    """print() on rank 0, to file, else redirect0's stream, else stdout (as it is at the call: pytest
+    swaps it)."""
+    stream = file or (STREAM[-1] if STREAM else sys.stdout)
+    if RANK == 0 and stream is not None:
+        print(*args, file=stream, **kwargs)
+
+
+def warn0(text):
+    """print0 of one "warning: ..." line."""
+    print0(f"warning: {text}")
+
+
+@contextlib.contextmanager
+def redirect0(stream):
+    """print0's lines go to stream inside the block (None: nowhere), e.g. sample.py's status lines to
+    stderr, the text alone on stdout."""
+    STREAM.append(stream)
+    try:
+        yield
+    finally:
+        STREAM.pop()
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
@@ -115,6 +160,11 @@ class RunLog:
             self.wandb = None
 
 
+def finite_or_none(x):
+    """x, or None for inf/nan (which JSON cannot hold): a log.jsonl field."""
+    return x if math.isfinite(x) else None
+
+
 def memory_stats(device):
     """Memory scalars for the dashboards, in MiB: the CUDA allocator's (allocated, reserved, peak
     allocated), or elsewhere the process's peak resident set."""
@@ -199,3 +249,33 @@ def trim_log(path, step, keep_evals):
         with replacing(path) as tmp:
             with open(tmp, "w") as f:
                 f.write("".join(line + "\n" for line in keep))
+
+# -----------------------------------------------------------------------------
+# the end of a run
+
+
+def summary(run, progress):
+    """Print the end of a finished run: its checkpoint, last and best val loss (log.jsonl: the whole
+    run, resumed sessions included), tokens, wall time and tok/s of this session, and the commands to
+    run next. run: the trainer's Run; progress: its loop state."""
+    cfg = run.cfg
+    try:
+        with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+            vals = [(r["val_loss"], r["step"]) for r in map(json.loads, f) if "val_loss" in r]
+    except (OSError, ValueError):
+        vals = []
+    val = "no val loss (eval_interval=0)"
+    if vals:
+        val = f"val loss {vals[-1][0]:.4f} (best {min(vals)[0]:.4f} at step {min(vals)[1]})"
+    steps = cfg.max_steps - run.start_step
+    tokens = steps * run.tokens_per_step
+    speed = f"{tokens / progress.train_s:,.0f} tok/s" if progress.train_s > 0 else "n/a tok/s"
+    print0(f"done: step {cfg.max_steps} | {val} | {steps} steps, {tokens:,} tokens in "
+           f"{fmt_duration(time.time() - run.started)}, {speed} | "
+           f"checkpoint {progress.newest or 'none'}")
+    if progress.newest:
+        print0(f"next: python sample.py --model {cfg.out_dir}          # text from the newest checkpoint\n"
+               f"      python export.py {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
+               "  # a Hugging Face folder\n"
+               f"      python plot.py {cfg.out_dir}                    # the curves: "
+               f"{os.path.join(cfg.out_dir, 'curves.png')}")

@@ -11,13 +11,17 @@ group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is
 import dataclasses
 import inspect
 import math
+import os
 from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor, Replicate
 
+from gpt2train.checkpoint import checkpoint_path
 from gpt2train.fileio import UserError
+from gpt2train.logger import print0
 from gpt2train.precision import autocast
 
 OPTIMIZERS = ("adamw", "muon")
@@ -237,7 +241,7 @@ def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr
 
 def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
                      muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
-                     ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=MUON_SPLIT_QKV,
+                     ns_dtype=torch.float32, fused=None, muon_split_qkv=MUON_SPLIT_QKV,
                      embed_lr_mult=1.0, scalar_lr_mult=1.0, muon_scaling="match_rms_adamw"):
     """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
     Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
@@ -256,13 +260,12 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
         qkv = [p for n, p in muon if muon_split_qkv and n.endswith("attn.c_attn.weight")]
         optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, split=qkv, lr=muon_lr,
                                weight_decay=wd, momentum=muon_momentum, adjust_lr_fn=muon_scaling))
-        if verbose:
-            print(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
-                  f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
-                  f"AdamW on {size(decay)} decayed and "
-                  f"{size(no_decay)} not, fused AdamW: {fused}")
-    elif verbose:
-        print(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
+        print0(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
+               f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
+               f"AdamW on {size(decay)} decayed and "
+               f"{size(no_decay)} not, fused AdamW: {fused}")
+    else:
+        print0(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
     return optimizers
 
 # -----------------------------------------------------------------------------
@@ -316,6 +319,34 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
             f"{now / last if last else math.inf:.1f}x in one step; to avoid the jump, {ways}train on from its "
             f"weights with a fresh warmup: --init_from={ckpt_path} --out_dir=<a new folder> "
             f"--max_steps=<the steps to add> (docs/training.md, 'Extending a run')")
+
+
+def say_extension(cfg, ckpt, out_dir):
+    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the checkpoint's
+    (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past it."""
+    planned = ckpt.get("config", {}).get("max_steps")
+    if not isinstance(planned, int):
+        return
+    branch = cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    path = checkpoint_path(out_dir, branch) if branch is not None else None
+    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
+    note = extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
+    if note:
+        print0(note)
+
+
+def kept_branches(cfg, ckpt):
+    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the
+    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was planned
+    for (say_extension offers it)."""
+    if ckpt is None:
+        return ()
+    planned = ckpt.get("config", {}).get("max_steps")
+    old = None
+    if isinstance(planned, int):
+        old = cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
+    return tuple(sorted(kept - {cooldown_start(cfg)}))
 
 
 def decay_fraction(step, cfg):
@@ -373,11 +404,33 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
     return loss_accum
 
 
+@torch.no_grad()
+def evaluate(model, loader, steps, plan, world_size=1, stop_now=lambda: False):
+    """The mean loss of model over `steps` batches from the start of loader's split, averaged over the
+    ranks; None when stop_now() (asked before each batch, alike on every rank) ends it early."""
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=plan.device)
+    for _ in range(steps):
+        if stop_now():
+            model.train()
+            return None
+        x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
+        with autocast(plan):
+            _, loss = model(x, y)
+        total += loss.float()
+    if world_size > 1:
+        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
+    model.train()
+    return total.item() / (steps * world_size)  # sync: once per eval
+
+
 class Stepped(NamedTuple):
     loss: float  # the step's mean loss
     norm: float  # the gradient norm before clipping
     applied: bool  # whether the update was applied
     flags: list  # the values of optimizer_step's flags, read in the same transfer
+    why: str = ""  # why the update was skipped: "inf/nan loss or gradients" or "outlier"; "" when applied
 
 
 def skips_on_device(optimizers, is_outlier):
@@ -439,7 +492,7 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
         found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
         _update(optimizers, scaler, found_inf)
     loss, norm, *flags = read.tolist()  # sync: the step's one host read
-    finite = math.isfinite(loss) and math.isfinite(norm)
+    finite = math.isfinite(loss) and math.isfinite(norm)  # decided here, once: the step's result says why
     apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if not on_device:
         if apply:
@@ -448,7 +501,10 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
             scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return Stepped(loss, norm, apply, flags)
+    why = "" if apply else "outlier"
+    if not finite:
+        why = "inf/nan loss or gradients"
+    return Stepped(loss, norm, apply, flags, why)
 
 
 class FixedBatch:
