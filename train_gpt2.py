@@ -1,22 +1,19 @@
 """
 Train GPT-2 from scratch on FineWeb-Edu (or fine-tune OpenAI's weights), on one device or many.
 
-    python train_gpt2.py configs/quickstart.py                  # CPU smoke run: a minute or two
-    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # your own text: file, folder, glob
-    python train_gpt2.py configs/gpt2_124m.py                   # build-nanogpt's 124M recipe, one GPU
+    python train_gpt2.py configs/quickstart.py                 # CPU smoke run: a minute or two
+    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # your own text, folder, glob
+    python train_gpt2.py configs/gpt2_124m.py                  # build-nanogpt's 124M recipe, 1 GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --out_dir=out/try
-    python train_gpt2.py --help                                 # every config key: type, default, meaning
+    python train_gpt2.py --help                                # every config key: type, meaning
 
-The config (config.py) is frozen once parsed; setup() makes every decision of the run once, in order,
-each in the module that owns it (device and precision: precision.py; resume: checkpoint.py;
-micro-batch: memory.py), and returns a frozen Run that the loop only reads. The resolved config is
-printed and saved beside what was asked in out_dir/config.json; progress goes to the console and
-out_dir/log.jsonl; checkpoints to out_dir/ckpt_XXXXXX.pt (`--resume=true` continues from the newest
-one, bit-exactly). Ctrl-C/SIGTERM and `--time_limit=MINUTES` finish the step, save and print the
-command that continues. In this file, in the order they run: main, setup() and its parts, the loop
-(train) and the periodic work it calls; the schedule, the forward/backward and the update are
-gpt2train/optim.py's.
+setup() makes every decision of the run once, in order, each in the module that owns it, and
+returns a frozen Run that the loop only reads; the resolved config is saved beside what was asked in
+out_dir/config.json, progress goes to the console and out_dir/log.jsonl, checkpoints to
+out_dir/ckpt_XXXXXX.pt (`--resume=true` continues bit-exactly). Ctrl-C/SIGTERM and --time_limit
+finish the step, save and print the command that continues. Here, in the order they run: main,
+setup() and its parts, the loop (train) and its periodic work; the step itself is optim.py's.
 """
 import dataclasses
 import json
@@ -27,8 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-# before torch loads OpenMP: a thread waiting for the others sleeps instead of spinning, so that on a
-# CPU shared with other work a step is not held up by spinning threads (docs/training.md "CPU
+# before torch loads OpenMP: a thread waiting for the others sleeps instead of spinning, so that on
+# a CPU shared with other work a step is not held up by spinning threads (docs/training.md "CPU
 # threads"). OMP_WAIT_POLICY=ACTIVE keeps the spin.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -36,14 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt2train import checkpoint
-from gpt2train import data
-from gpt2train import distributed
-from gpt2train import logger
-from gpt2train import memory
-from gpt2train import optim
 import plot
-from gpt2train import precision
+from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
 from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
 from gpt2train.data import TokenLoader
 from gpt2train.distributed import DistEnv, agree
@@ -54,7 +45,7 @@ from gpt2train.guard import stop_notice, stopped_line
 from gpt2train.logger import print0
 from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
 
-PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s), and at the end
+PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s), and at end
 
 # -----------------------------------------------------------------------------
 # main: parse, set up, train; every failure one line and an exit code
@@ -89,7 +80,8 @@ def main(argv):
     except RuntimeError as e:  # out of memory; a peer that stopped answering (dist_timeout) or died
         if precision.is_oom(e):
             where = f"error: rank {env.rank}: " if env.ddp else "error: "
-            print(where + memory.out_of_memory_message(e, *run_shape(run)), file=sys.stderr)
+            shape = (run.plan.device_type, run.B, run.T, run.grad_accum) if run else (None,) * 4
+            print(where + memory.out_of_memory_message(e, *shape), file=sys.stderr)
             return 1
         if not (env.ddp and distributed.peer_failure(e)):
             raise
@@ -107,20 +99,13 @@ def main(argv):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
-
-def run_shape(run):
-    """(device type, B, T, grad_accum) of the run for an out-of-memory line; Nones before setup."""
-    if run is None:
-        return None, None, None, None
-    return run.plan.device_type, run.B, run.T, run.grad_accum
-
 # -----------------------------------------------------------------------------
 # setup: every decision of the run, once, in execution order
 
 
 @dataclass(frozen=True)
 class Run:
-    cfg: object  # the resolved Config: what the run does (config.json's "resolved"), B and T included
+    cfg: object  # the resolved Config: what the run does (config.json's "resolved"), B and T too
     env: DistEnv
     plan: precision.Plan
     grad_accum: int  # micro-batches per optimizer step
@@ -143,7 +128,7 @@ class Run:
     kept: tuple = ()  # wsd's cooldown starts of the shorter plans this run grew from: never pruned
 
     @property
-    def B(self):  # micro-batch rows per rank, as chosen (memory.choose_micro_batch): its home is cfg
+    def B(self):  # micro-batch rows per rank (memory.choose_micro_batch): its one home is cfg
         return self.cfg.micro_batch_size
 
     @property
@@ -154,14 +139,10 @@ class Run:
     def tokens_per_step(self):
         return self.B * self.T * self.env.world_size * self.grad_accum
 
-    @property
-    def wraps_ddp(self):
-        return self.train_model is not self.model
-
 
 def setup(cfg, given, env, lock):
-    """Make every decision of the run, once, in execution order, and return the frozen Run (None when
-    out_dir holds a finished run: nothing to do)."""
+    """Make every decision of the run, once, in execution order, and return the frozen Run (None
+    when out_dir holds a finished run: nothing to do)."""
     started = time.time()
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # first
     device = precision.resolve_device(cfg.device, env.local_rank)
@@ -178,15 +159,13 @@ def setup(cfg, given, env, lock):
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = checkpoint.resume_point(cfg, given, env, device, lock)
     if checkpoint.finished(ckpt, cfg.max_steps):
-        print0(f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={cfg.max_steps}): "
-               "nothing to do; raise --max_steps to train on (how the lr schedule goes on: "
-               "docs/training.md, 'Extending a run'), or choose another --out_dir")
+        print0(checkpoint.finished_line(ckpt, cfg.max_steps))
         return None
-    cfg = dataclasses.replace(cfg, **overrides)  # the checkpoint's keys, once: from here on cfg runs
+    cfg = dataclasses.replace(cfg, **overrides)  # the checkpoint's keys, once: now cfg is what runs
     if ckpt is not None:  # max_steps raised: how the lr schedule goes on, said
-        optim.say_extension(cfg, ckpt, out_dir)
+        checkpoint.say_extension(cfg, ckpt, out_dir)
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
-    if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses it
+    if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses
         precision.use_compile_cache(cache)
         print0(f"compile cache: {cache}")
 
@@ -225,10 +204,10 @@ def setup(cfg, given, env, lock):
         checkpoint.restore(ckpt, raw_model, optimizers, scaler, train_loader, plan.device)
         print0(f"resuming from {ckpt['path']} at step {ckpt['step']}")
 
-    # what the run resolved, beside what was asked (the model decides its shape)
-    decided = dict(overrides, **{k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}, **off,
-                   out_dir=out_dir, data_dir=data_dir, device=plan.device_type,
-                   **({"data_source": "fineweb"} if cfg.data else {}),  # --data's: fineweb.py's shards
+    # what the run resolved, beside what was asked (the model decides its shape; --data: fineweb)
+    shape = {k: getattr(raw_model.config, k) for k in checkpoint.MODEL_KEYS}
+    decided = dict(overrides, **shape, **off, out_dir=out_dir, data_dir=data_dir,
+                   device=plan.device_type, **({"data_source": "fineweb"} if cfg.data else {}),
                    precision=precision.dtype_name(plan.dtype), compile=str(plan.compile).lower(),
                    micro_batch_size=B, seq_len=T, loss_impl=loss_impl, val_steps=val_steps)
     resolved = dataclasses.replace(cfg, **decided)  # the one place a config is rewritten
@@ -238,10 +217,11 @@ def setup(cfg, given, env, lock):
                params=[p for p in raw_model.parameters() if p.requires_grad], scaler=scaler,
                train_loader=train_loader, val_loader=val_loader, data_dir=data_dir,
                start_step=ckpt["step"] if ckpt else 0, evals_done_at=checkpoint.evals_done_at(ckpt),
-               newest=ckpt["path"] if ckpt else None, guard_state=ckpt.get("guard") if ckpt else None,
+               newest=ckpt["path"] if ckpt else None,
+               guard_state=ckpt.get("guard") if ckpt else None,
                hellaswag=load_hellaswag(resolved, env, startup), started=started,
                watch=precision.CompileWatch() if plan.compile else None,
-               kept=optim.kept_branches(cfg, ckpt))
+               kept=checkpoint.kept_branches(cfg, ckpt))
 
 
 def place_model(cfg, given, ckpt, plan, env):
@@ -286,8 +266,8 @@ def extras(cfg, model):
         why = (f"vocab_size={model.config.vocab_size} cannot hold GPT-2's tokens: sampling and "
                "HellaSwag are off")
     if cfg.fsdp:
-        why = ("fsdp=true: in-training sampling and HellaSwag are off (they run outside the sharded "
-               "forward); score a checkpoint with hellaswag.py")
+        why = ("fsdp=true: in-training sampling and HellaSwag are off (they run outside the "
+               "sharded forward); score a checkpoint with hellaswag.py")
     if why:
         print0(f"note: {why}")
         return {"sample_interval": 0, "hellaswag_interval": 0}
@@ -308,10 +288,10 @@ def choose_loss_head(raw_model, plan, step, B):
 
 
 def compile_and_wrap(raw_model, timed, step, B, plan, env):
-    """(the model evals run, the model that trains, the plan as it ran): compiled when the plan says so
-    (timed: already compiled by the micro-batch finder), wrapped in DDP under torchrun (not FSDP: it
-    reduce-scatters by itself), compiled now through the wrapper so dynamo splits at DDP's buckets;
-    any rank whose compiler fails makes every rank go on eagerly."""
+    """(the model evals run, the model that trains, the plan as it ran): compiled when the plan says
+    so (timed: already compiled by the micro-batch finder), wrapped in DDP under torchrun (not FSDP:
+    it reduce-scatters by itself), compiled now through the wrapper so dynamo splits at DDP's
+    buckets; any rank whose compiler fails makes every rank go on eagerly."""
     def wrap(m):
         if not env.ddp or step.fsdp:
             return m
@@ -368,10 +348,9 @@ def train(run, argv):
     """Run the loop: the periodic work due at a step, then one optimizer step, until max_steps or a
     stop (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
-    progress = start(run)
-    code = 0
+    progress, wrapped = start(run), run.train_model is not run.model  # wrapped: in DDP
     notice = (lambda sig: stop_notice(progress, sig)) if env.master else (lambda sig: None)
-    progress.signals = catch_stop_signals(notice)
+    code, progress.signals = 0, catch_stop_signals(notice)
     for step in range(run.start_step, cfg.max_steps):
         t_iter, progress.at = time.time(), step
         if step != run.evals_done_at:  # (the resumed checkpoint ran this step's already)
@@ -379,14 +358,14 @@ def train(run, argv):
                 code = stop(run, step, progress, argv, progress.signals[0], in_eval=True)
                 break
             print_samples(run, step, False)
-        if checkpoint_due(run, step, False, progress):
-            save(run, step, progress)
+        if checkpoint.due(run, step, False, progress):
+            checkpoint.save_run(run, step, progress)
 
         # one optimizer step: forward/backward over grad_accum micro-batches, then the update
         t0 = time.time()
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # once a step takes > 5 s
             loss = optim.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum,
-                                              run.plan, run.scaler, run.wraps_ddp, bar)
+                                              run.plan, run.scaler, wrapped, bar)
         asks = stop_asks(progress.signals, progress, cfg.checkpoint_minutes)  # stop? save by clock?
         pooled = distributed.over_ranks(loss, asks.flags(), env)  # DDP: mean loss, asks counted
         outlier = progress.guard.is_outlier if cfg.skip_outliers_z > 0 else None
@@ -394,11 +373,10 @@ def train(run, argv):
             run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg),
             pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg))
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
-        if env.ddp:  # what any rank asked for: every rank decides alike
-            asks = Asks.read(stepped.flags)
+        asks = Asks.read(stepped.flags) if env.ddp else asks  # any rank's: all decide alike
         progress.clock_due = asks.clock_due
         log_step(run, step, stepped, dt, progress)
-        compile_notes(run, step, progress.runlog)
+        logger.compile_notes(run.watch, step, progress.runlog)  # no silent eager
         progress.step_s, progress.longest = dt, max(progress.longest, time.time() - t_iter)
         progress.train_s += dt
         if progress.guard.update(stepped.loss, stepped.norm, stepped.applied):
@@ -420,28 +398,30 @@ def start(run):
     cfg, env = run.cfg, run.env
     print0(json.dumps(dataclasses.asdict(cfg), indent=2))
     n_params = run.raw_model.num_params(non_embedding=False)
-    print0(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = {run.B} x {run.T} x "
-           f"{env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | {cfg.max_steps} steps")
+    print0(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = {run.B} x {run.T} "
+           f"x {env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | "
+           f"{cfg.max_steps} steps")
     runlog = None
     if env.master:
         logger.trim_log(os.path.join(cfg.out_dir, "log.jsonl"), run.start_step,
                         keep_evals=run.evals_done_at >= 0)
-        runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb_project,
-                               cfg.wandb_run_name, resumed=run.start_step > 0)
+        runlog = logger.RunLog(cfg.out_dir, dataclasses.asdict(cfg), cfg.tensorboard,
+                               cfg.wandb_project, cfg.wandb_run_name, resumed=run.start_step > 0)
     deadline = run.started + cfg.time_limit * 60 if cfg.time_limit > 0 else math.inf
-    return Progress(run.newest, time.time(), n_params * 12 / 100e6,  # a first guess at a save's seconds
-                    runlog=runlog, guard=Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state),
-                    at=run.start_step, saved_step=run.start_step, deadline=deadline,
+    guard = Guard(cfg.skip_outliers_z, cfg.max_skipped, run.guard_state)
+    return Progress(run.newest, time.time(), n_params * 12 / 100e6,  # a first guess at a save's s
+                    runlog=runlog, guard=guard, at=run.start_step, saved_step=run.start_step,
+                    deadline=deadline,
                     timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T))
 
 
 def stop(run, step, progress, argv, sig, in_eval=False):
-    """Save step after a stop before max_steps (sig, or None: the time limit) after step - 1 or in the
-    evaluation at step (unless the newest checkpoint holds it), say so and how to continue, and
+    """Save step after a stop before max_steps (sig, or None: the time limit) after step - 1 or in
+    the evaluation at step (unless the newest checkpoint holds it), say so and how to continue, and
     return the exit code."""
     path = progress.newest
     if step != progress.saved_step:
-        path = save(run, step, progress, evals_done=False)
+        path = checkpoint.save_run(run, step, progress, evals_done=False)
     command = run.env.command(__file__, argv)
     print0(stopped_line(sig, run.cfg.time_limit, step, in_eval, path, command))
     return 128 + sig if sig else 124
@@ -452,8 +432,8 @@ def wrap_up(run, progress):
     evals, samples and plot), each of which costs a warning when it fails, never the checkpoint or
     the exit code. A signal stops the final evaluation at its next batch. Returns the exit code."""
     step = progress.at = run.cfg.max_steps
-    if checkpoint_due(run, step, True, progress):
-        save(run, step, progress)
+    if checkpoint.due(run, step, True, progress):
+        checkpoint.save_run(run, step, progress)
     if step == run.evals_done_at:  # (the resumed checkpoint ran this step's already)
         return 0
     progress.phase = "end"
@@ -463,13 +443,13 @@ def wrap_up(run, progress):
             if work():  # cut short by a signal
                 print0(end_stopped_line(progress.signals[0], progress.newest))
                 return 128 + progress.signals[0]
-        except Exception as e:  # noqa: BLE001 - optional: the run is saved, whatever went wrong here
+        except Exception as e:  # noqa: BLE001 - optional: the run is saved, whatever went wrong
             print0(end_failed_line(what, e, progress.newest))
     return 0
 
 
 def finish(run, runlog):
-    """Close the log after the last step or a stop, ignore late signals, and leave with the ranks."""
+    """Close the log after the last step or a stop, ignore late signals, leave with the ranks."""
     if runlog is not None:
         runlog.close()
     for sig in STOP_SIGNALS:  # saved: a late signal (torchrun stopping the ranks) changes nothing
@@ -479,17 +459,14 @@ def finish(run, runlog):
 
 
 def log_step(run, step, stepped, dt, progress):
-    """Print the step's console line (each optimizer's base lr, optim.lrs, named when there are two),
-    write its log.jsonl row on rank 0, and after the first step the memory line."""
+    """Print the step's console line (each optimizer's base lr, named when there are two), write
+    its log.jsonl row on rank 0, and after the first step the memory line."""
     cfg, plan, lrs, why = run.cfg, run.plan, optim.lrs(run.optimizers), stepped.why
     tok_per_s = run.tokens_per_step / dt
     mfu = precision.estimate_mfu(progress.flops_per_token, tok_per_s / run.env.world_size,
                                  plan.device_name, plan.dtype, plan.tf32)
     eta = progress.timer.eta(dt, cfg.max_steps - step - 1)
-    shown = f"{lrs[0]:.2e}"
-    if len(lrs) > 1:  # the base lrs
-        shown = f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}"
-    print0(f"step {step:6d}/{cfg.max_steps} | loss {stepped.loss:.4f} | lr {shown} | "
+    print0(f"step {step:6d}/{cfg.max_steps} | loss {stepped.loss:.4f} | lr {logger.fmt_lrs(lrs)} | "
            f"norm {stepped.norm:.3f}{why and f' (skipped: {why})'} | {dt * 1000:.1f} ms | "
            f"{tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
            f"ETA {logger.fmt_duration(eta)}")
@@ -497,36 +474,23 @@ def log_step(run, step, stepped, dt, progress):
         return
     if step == run.start_step:
         print0(memory.memory_summary(run.raw_model, run.optimizers, plan, run.B, run.T))
-    row = {"step": step, "loss": stepped.loss, "lr": lrs[0]}
-    if len(lrs) > 1:
-        row["muon_lr"] = lrs[1]
-    row.update(norm=logger.finite_or_none(stepped.norm), dt_ms=dt * 1000, tok_per_s=tok_per_s)
-    if why:
-        row["skipped"] = why
+    row = logger.step_row(step, stepped, lrs, dt, tok_per_s)
     progress.runlog.write(row, mfu=mfu, **logger.memory_stats(plan.device))
-
-
-def compile_notes(run, step, runlog):
-    """Say each compiled graph that ran eagerly since the last step (precision.CompileWatch) in one
-    warning line, and write it as a "compile" row in log.jsonl: no silent eager."""
-    for line in run.watch.check() if run.watch else ():
-        print0(line)
-        runlog and runlog.write({"step": step, "compile": line})
 
 # -----------------------------------------------------------------------------
 # periodic work: evaluation, HellaSwag, samples, checkpoints
 
 
 def due(every, step, last):
-    """Whether work done every `every` steps (0: never) is due at this step (and always at the last)."""
+    """Whether work done every `every` steps (0: never) is due at this step (always at the last)."""
     return every > 0 and (step % every == 0 or last)
 
 
 def run_evals(run, step, last, progress):
-    """Run the val loss and HellaSwag due at this step (rank 0 logs them) and redraw curves.png after
-    them; return True when a stop signal cut an evaluation short (nothing of it logged)."""
+    """Run the val loss and HellaSwag due at this step (rank 0 logs them) and redraw curves.png
+    after them; return True when a stop signal cut an evaluation short (nothing of it logged)."""
     cfg, phase, runlog, env = run.cfg, progress.phase, progress.runlog, run.env
-    stop_now = lambda: agree(float(bool(progress.signals)), "max", run.plan.device) > 0  # noqa: E731
+    stop_now = lambda: agree(float(bool(progress.signals)), "max", run.plan.device) > 0  # noqa
     progress.phase = "eval" if phase == "step" else phase
     try:
         if due(cfg.eval_interval, step, last):
@@ -543,13 +507,14 @@ def run_evals(run, step, last, progress):
                                      stop=None if env.ddp else stop_now)  # (ranks: other batches)
             if res.get("stopped"):
                 return True
-            print0(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} acc_norm {res['acc_norm']:.4f} "
-                   f"({res['n']} examples)")
+            print0(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} "
+                   f"acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"],
                                      "hellaswag_acc_norm": res["acc_norm"]})
     finally:
         progress.phase = phase
-    evals = due(cfg.eval_interval, step, last) or run.hellaswag and due(cfg.hellaswag_interval, step, last)
+    hellaswag_due = run.hellaswag and due(cfg.hellaswag_interval, step, last)
+    evals = due(cfg.eval_interval, step, last) or hellaswag_due
     if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
         plot.refresh(cfg.out_dir)  # out_dir/curves.png when matplotlib is installed; never a crash
         progress.plotted_at = time.time()
@@ -560,17 +525,6 @@ def print_samples(run, step, last):
     if run.env.master and step > 0 and due(run.cfg.sample_interval, step, last):
         for text in sample(run):
             print0(f"sample: {text!r}")
-
-
-def checkpoint_due(run, step, last, progress):
-    """Whether a checkpoint is written before this step: at the end, every checkpoint_interval steps,
-    by the clock (checkpoint_minutes), or at wsd's cooldown start when checkpoint_interval is on (kept:
-    the run continues from it with a larger max_steps exactly as if planned); never at step 0 or at
-    the step the resumed checkpoint holds."""
-    every = run.cfg.checkpoint_interval
-    branch = every > 0 and step == optim.cooldown_start(run.cfg)
-    interval = every > 0 and step % every == 0
-    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch or interval)
 
 
 def sample(run):
@@ -585,14 +539,10 @@ def sample(run):
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
     run.raw_model.eval()
     with precision.autocast(run.plan):
-        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50,
+                                     generator=gen)
     run.raw_model.train()
     return [enc.decode(row.tolist()) for row in out]
-
-
-def save(run, step, progress, evals_done=True):
-    """Write the checkpoint of step (checkpoint.save_run: wsd's cooldown start kept); return its path."""
-    return checkpoint.save_run(run, step, progress, optim.cooldown_start(run.cfg), evals_done)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
 from gpt2train.fileio import DiskFull, UserError, missing_dirs, remove_empty_dirs, replacing
+from gpt2train import optim
 from gpt2train.guard import Diverged, remedy
 from gpt2train.logger import print0, warn0
 from gpt2train.sharding import full_state, load_optimizer_state
@@ -233,6 +234,34 @@ def resume_point(cfg, given, env, device, lock):
     return out_dir, ckpt, overrides
 
 
+def say_extension(cfg, ckpt, out_dir):
+    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the checkpoint's
+    (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past it."""
+    planned = ckpt.get("config", {}).get("max_steps")
+    if not isinstance(planned, int):
+        return
+    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    path = checkpoint_path(out_dir, branch) if branch is not None else None
+    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
+    note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
+    if note:
+        print0(note)
+
+
+def kept_branches(cfg, ckpt):
+    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the
+    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was planned
+    for (say_extension offers it)."""
+    if ckpt is None:
+        return ()
+    planned = ckpt.get("config", {}).get("max_steps")
+    old = None
+    if isinstance(planned, int):
+        old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
+    return tuple(sorted(kept - {optim.cooldown_start(cfg)}))
+
+
 def evals_done_at(ckpt):
     """The step whose evals the checkpoint's run already ran (-1: none, or no checkpoint): a save for a
     stop (signal, time limit) comes before the next step's evals."""
@@ -242,6 +271,13 @@ def evals_done_at(ckpt):
 def finished(ckpt, max_steps):
     """Whether a checkpoint holds a run that is done: past max_steps, or at it with its evals run."""
     return ckpt is not None and (ckpt["step"] > max_steps or evals_done_at(ckpt) == max_steps)
+
+
+def finished_line(ckpt, max_steps):
+    """The line for an out_dir whose checkpoint holds a finished run (finished): nothing to do."""
+    return (f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={max_steps}): nothing "
+            "to do; raise --max_steps to train on (how the lr schedule goes on: docs/training.md, "
+            "'Extending a run'), or choose another --out_dir")
 
 
 def prune_checkpoints(out_dir, step, keep_last, keep=()):
@@ -262,11 +298,22 @@ BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a 
                "there with a larger --max_steps)")
 
 
-def save_run(run, step, progress, branch, evals_done=True):
+def due(run, step, last, progress):
+    """Whether the trainer writes a checkpoint before this step: at the end, every
+    checkpoint_interval steps, by the clock (checkpoint_minutes), or at wsd's cooldown start when
+    checkpoint_interval is on (kept: the run continues from it with a larger max_steps exactly as if
+    planned); never at step 0 or at the step the resumed checkpoint holds."""
+    every = run.cfg.checkpoint_interval
+    branch = every > 0 and step == optim.cooldown_start(run.cfg)
+    interval = every > 0 and step % every == 0
+    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch or interval)
+
+
+def save_run(run, step, progress, evals_done=True):
     """Check on every rank that the state is finite (so that all stop alike), write the trainer's
     checkpoint of step on rank 0 and delete those keep_last no longer keeps (never wsd's cooldown
-    start, branch, or run.kept); note it in progress (the loop's state) and return its path."""
-    cfg = run.cfg
+    start or run.kept); note it in progress (the loop's state) and return its path."""
+    cfg, branch = run.cfg, optim.cooldown_start(run.cfg)
     if not finite_state(run.raw_model, run.optimizers, run.plan.device):
         raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
                        f"so it is not written: the run diverged (newest checkpoint: "

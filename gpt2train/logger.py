@@ -160,9 +160,31 @@ class RunLog:
             self.wandb = None
 
 
-def finite_or_none(x):
-    """x, or None for inf/nan (which JSON cannot hold): a log.jsonl field."""
-    return x if math.isfinite(x) else None
+def compile_notes(watch, step, runlog):
+    """Print each compiled graph that ran eagerly since the last step (watch: precision.CompileWatch,
+    or None) as one warning line, and write it as a "compile" row in log.jsonl (runlog, or None)."""
+    for line in watch.check() if watch else ():
+        print0(line)
+        if runlog:
+            runlog.write({"step": step, "compile": line})
+
+
+def step_row(step, stepped, lrs, dt, tok_per_s):
+    """The log.jsonl row of an optimizer step (stepped: optim.Stepped; lrs: the base lrs, AdamW's and
+    Muon's); a norm JSON cannot hold (inf/nan) is null."""
+    row = {"step": step, "loss": stepped.loss, "lr": lrs[0]}
+    if len(lrs) > 1:
+        row["muon_lr"] = lrs[1]
+    row.update(norm=stepped.norm if math.isfinite(stepped.norm) else None, dt_ms=dt * 1000,
+               tok_per_s=tok_per_s)
+    if stepped.why:
+        row["skipped"] = stepped.why
+    return row
+
+
+def fmt_lrs(lrs):
+    """The base lrs on the console: AdamW's, or "adamw X muon Y" when there are two."""
+    return f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}" if len(lrs) > 1 else f"{lrs[0]:.2e}"
 
 
 def memory_stats(device):

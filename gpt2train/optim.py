@@ -11,7 +11,6 @@ group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is
 import dataclasses
 import inspect
 import math
-import os
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -19,7 +18,6 @@ import torch
 import torch.distributed
 from torch.distributed.tensor import DTensor, Replicate
 
-from gpt2train.checkpoint import checkpoint_path
 from gpt2train.fileio import UserError
 from gpt2train.logger import print0
 from gpt2train.precision import autocast
@@ -319,34 +317,6 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
             f"{now / last if last else math.inf:.1f}x in one step; to avoid the jump, {ways}train on from its "
             f"weights with a fresh warmup: --init_from={ckpt_path} --out_dir=<a new folder> "
             f"--max_steps=<the steps to add> (docs/training.md, 'Extending a run')")
-
-
-def say_extension(cfg, ckpt, out_dir):
-    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the checkpoint's
-    (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past it."""
-    planned = ckpt.get("config", {}).get("max_steps")
-    if not isinstance(planned, int):
-        return
-    branch = cooldown_start(dataclasses.replace(cfg, max_steps=planned))
-    path = checkpoint_path(out_dir, branch) if branch is not None else None
-    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
-    note = extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
-    if note:
-        print0(note)
-
-
-def kept_branches(cfg, ckpt):
-    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the
-    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was planned
-    for (say_extension offers it)."""
-    if ckpt is None:
-        return ()
-    planned = ckpt.get("config", {}).get("max_steps")
-    old = None
-    if isinstance(planned, int):
-        old = cooldown_start(dataclasses.replace(cfg, max_steps=planned))
-    kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
-    return tuple(sorted(kept - {cooldown_start(cfg)}))
 
 
 def decay_fraction(step, cfg):
