@@ -1,6 +1,6 @@
 """
-A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune), what a checkpoint
-changes on resume, and the lock that keeps one live run per out_dir.
+A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune),
+what a checkpoint changes on resume, and the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
     ckpt, overrides = resume_overrides(out_dir, cfg, given)   # the checkpoint to continue from, what it fixes
@@ -34,7 +34,8 @@ from gpt2train.guard import Diverged, remedy
 from gpt2train.logger import print0, warn0
 from gpt2train.sharding import full_state, load_optimizer_state
 
-# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
+# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from
+# its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule", "cooldown_frac", "embed_lr_mult",
             "scalar_lr_mult", "muon_momentum_warmup", "muon_split_qkv", "zero_init_proj")
@@ -51,10 +52,10 @@ def checkpoint_files(out_dir):
 
 
 def held_steps(out_dir, skipped=None):
-    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
-    by the name). An unreadable (truncated, foreign) file is left out, its warning (naming it) appended
-    to the list skipped when given. The steps are read with mmap: the zip's directory and one number,
-    not the tensors."""
+    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step
+    (not by the name). An unreadable (truncated, foreign) file is left out, its warning (naming it)
+    appended to the list skipped when given. The steps are read with mmap: the zip's directory and
+    one number, not the tensors."""
     held = []
     for _, path in checkpoint_files(out_dir):
         try:
@@ -77,21 +78,24 @@ def warned_held_steps(out_dir):
 
 
 def newest_checkpoint(spec):
-    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
-    readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
-    sample.py, hellaswag.py and export.py take a run folder this way. A run's folder with no
-    checkpoint yet is one UserError line saying so (not a loader's "no model weights" for a folder)."""
+    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its
+    newest readable checkpoint by the step it holds, as the trainer resumes (an unreadable one
+    skipped, warned): sample.py, hellaswag.py and export.py take a run folder this way. A run's
+    folder with no checkpoint yet is one UserError line saying so (not a loader's "no model weights"
+    for a folder)."""
     files = checkpoint_files(spec)
     if not files and is_run_folder(spec):
         raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
                         "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
     held = warned_held_steps(spec) if files else []
-    return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
+    if held:
+        return held[0][1]
+    return files[0][1] if files else spec  # none readable: read_checkpoint says why
 
 
 def is_run_folder(path):
-    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json with
-    "resolved"), not a save_pretrained directory."""
+    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json
+    with "resolved"), not a save_pretrained directory."""
     if not os.path.isdir(path):
         return False
     if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
@@ -104,8 +108,8 @@ def is_run_folder(path):
 
 
 def read_checkpoint(path):
-    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
-    or one UserError line for a missing, truncated or foreign file."""
+    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers
+    (weights_only), or one UserError line for a missing, truncated or foreign file."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
     if not os.path.isfile(path):
@@ -149,8 +153,8 @@ def checkpoint_path(out_dir, step):
 
 def latest_checkpoint(out_dir):
     """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
-    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it;
-    only the chosen file is read in full."""
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming
+    it; only the chosen file is read in full."""
     for _, path in warned_held_steps(out_dir):
         try:
             return path, read_checkpoint(path)
@@ -166,8 +170,9 @@ def optimizer_kind(ckpt):
 
 def run_out_dir(cfg, given):
     """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
-    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
-    another run's out_dir: the config's own run, or another config's run on the same text."""
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never
+    lands in another run's out_dir: the config's own run, or another config's run on the same text.
+    """
     if cfg.data and given.get("out_dir") != "cli":
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
         name = os.path.splitext(name)[0] or "data"
@@ -177,10 +182,11 @@ def run_out_dir(cfg, given):
 
 def resume_overrides(out_dir, cfg, given):
     """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value} it
-    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one, auto
-    takes one if there is one. A model shape, init_from or optimizer the user set that differs from the
-    checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed reported in one
-    line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...) come from cfg."""
+    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one,
+    auto takes one if there is one. A model shape, init_from or optimizer the user set that differs
+    from the checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed
+    reported in one line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...)
+    come from cfg."""
     files = checkpoint_files(out_dir)
     how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
     if cfg.resume == "false":
@@ -235,8 +241,9 @@ def resume_point(cfg, given, env, device, lock):
 
 
 def say_extension(cfg, ckpt, out_dir):
-    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the checkpoint's
-    (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past it."""
+    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the
+    checkpoint's (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past
+    it."""
     planned = ckpt.get("config", {}).get("max_steps")
     if not isinstance(planned, int):
         return
@@ -250,8 +257,8 @@ def say_extension(cfg, ckpt, out_dir):
 
 def kept_branches(cfg, ckpt):
     """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the
-    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was planned
-    for (say_extension offers it)."""
+    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was
+    planned for (say_extension offers it)."""
     if ckpt is None:
         return ()
     planned = ckpt.get("config", {}).get("max_steps")
@@ -282,10 +289,10 @@ def finished_line(ckpt, max_steps):
 
 def prune_checkpoints(out_dir, step, keep_last, keep=()):
     """Once ckpt_{step} is in place: delete the readable checkpoints that hold an older step but the
-    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was killed. An
-    unreadable file is never counted among those kept and never deleted (resume skipped it, with a warning
-    naming it); a checkpoint holding a later step (from before a resume), or one of the steps in keep (wsd's
-    cooldown start), is left alone."""
+    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was
+    killed. An unreadable file is never counted among those kept and never deleted (resume skipped
+    it, with a warning naming it); a checkpoint holding a later step (from before a resume), or one
+    of the steps in keep (wsd's cooldown start), is left alone."""
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
             os.remove(os.path.join(out_dir, name))
@@ -353,8 +360,8 @@ def set_rng_state(state, device):
 
 def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master=True, **extra):
     """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes.
-    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at this
-    step ran, the skip guard's history)."""
+    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at
+    this step ran, the skip guard's history)."""
     model_state, optimizer_state = full_state(raw_model, optimizers)  # full CPU tensors on rank 0
     if not master:
         return
@@ -424,8 +431,8 @@ def _boot_id():
 
 
 def _process_start(pid):
-    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there is no
-    such process: a pid reused by another program does not look like the holder."""
+    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there
+    is no such process: a pid reused by another program does not look like the holder."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
@@ -444,9 +451,10 @@ BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}  # (no permission, rea
 
 
 def make_out_dir(out_dir):
-    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file on the way
-    (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a read-only filesystem stays the
-    OSError fileio.fail answers with exit 2; a full disk or an I/O error, exit 1."""
+    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file
+    on the way (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a
+    read-only filesystem stays the OSError fileio.fail answers with exit 2; a full disk or an I/O
+    error, exit 1."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -461,10 +469,11 @@ def make_out_dir(out_dir):
 
 
 class OutDirLock:
-    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google Drive,
-    where fcntl/flock locks may not hold), naming its holder; a thread touches it every HEARTBEAT seconds. Stale,
-    and taken over: a holder on this host that is gone (its pid gone or now another process, or the machine
-    rebooted), or one on another host silent for STALE seconds. A killed run never blocks resume=auto."""
+    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google
+    Drive, where fcntl/flock locks may not hold), naming its holder; a thread touches it every
+    HEARTBEAT seconds. Stale, and taken over: a holder on this host that is gone (its pid gone or
+    now another process, or the machine rebooted), or one on another host silent for STALE seconds.
+    A killed run never blocks resume=auto."""
     HEARTBEAT, STALE = 30.0, 300.0
 
     def __init__(self):

@@ -48,8 +48,9 @@ def shard_paths(data_dir, split):
 
 
 def making_hint(data_dir):
-    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one that made it,
-    with --val_fraction when shard 0 was its only val, so that both splits come out), or --data."""
+    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one
+    that made it, with --val_fraction when shard 0 was its only val, so that both splits come out),
+    or --data."""
     text = "or train on your text with --data=PATH"
     try:
         manifest = shards.load_manifest(data_dir) if os.path.isdir(data_dir) else None
@@ -69,8 +70,8 @@ def has_shards(data_dir):
 
 
 def check_shards(data_dir):
-    """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a partial
-    copy), with the ways to repair it; nothing without a manifest."""
+    """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a
+    partial copy), with the ways to repair it; nothing without a manifest."""
     problems = shards.startup_problems(data_dir)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -96,8 +97,8 @@ def permutation(n, *key):
 
 
 def load_shard(path):
-    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated or
-    foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
+    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated
+    or foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
     try:
         shard = np.load(path, mmap_mode="r")
     except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
@@ -113,18 +114,18 @@ def load_shard(path):
 class TokenLoader:
     """(B, T) batches from the shards of one split.
 
-    A shard of n tokens is cut into (n - 1) // T rows: row j is tokens j*T .. j*T + T, the inputs and
-    (one on) the targets, so a row's last token is the next row's first and no token is lost between
-    rows. The last (n - 1) % T tokens of a shard (fewer than T: 0.001% of a 100M-token shard) are left
-    out rather than joined to another shard's, so that every row lies in one shard.
+    A shard of n tokens is cut into (n - 1) // T rows: row j is tokens j*T .. j*T + T, the inputs
+    and (one on) the targets, so a row's last token is the next row's first and no token is lost
+    between rows. The last (n - 1) % T tokens of a shard (fewer than T: 0.001% of a 100M-token
+    shard) are left out rather than joined to another shard's, so that every row lies in one shard.
 
     An epoch reads every row of the split exactly once. With shuffle, the shards come in an order
-    drawn from (seed, epoch) and each shard's rows in an order drawn from (seed, epoch, shard); without
-    it (the val split), in file order from the start. The rows of all epochs form one sequence, and the
-    k-th call of rank r of W reads its rows k*W*B + r*B .. + B: the ranks' rows are disjoint and,
-    together, the rows a single process reads with the same global batch. The state is (epoch, pos) only;
-    rows, not B*T windows, are the unit so that the micro-batch size and the number of ranks may change
-    without changing which tokens a step sees."""
+    drawn from (seed, epoch) and each shard's rows in an order drawn from (seed, epoch, shard);
+    without it (the val split), in file order from the start. The rows of all epochs form one
+    sequence, and the k-th call of rank r of W reads its rows k*W*B + r*B .. + B: the ranks' rows
+    are disjoint and, together, the rows a single process reads with the same global batch. The
+    state is (epoch, pos) only; rows, not B*T windows, are the unit so that the micro-batch size and
+    the number of ranks may change without changing which tokens a step sees."""
 
     def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True, seed=0):
         self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
@@ -189,8 +190,9 @@ class TokenLoader:
                 "shards": [os.path.basename(p) for p in self.paths]}
 
     def load_state_dict(self, state, ckpt_path=None):
-        """Continue from a checkpoint's position; one it does not describe (other data, another order) is
-        refused with the ways on: its own data, or a new run (from scratch or from its weights, ckpt_path)."""
+        """Continue from a checkpoint's position; one it does not describe (other data, another order)
+        is refused with the ways on: its own data, or a new run (from scratch or from its weights,
+        ckpt_path)."""
         theirs = {k: state.get(k) for k in self.identity()}
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
@@ -200,7 +202,9 @@ class TokenLoader:
                 f"{state.get('n_tokens') or 0:,} tokens; this run's: {len(mine['shards'])} shard(s), " \
                 f"{mine['n_tokens']:,} tokens" if key in ("shards", "n_tokens") else \
                 f"the checkpoint's {key}={theirs[key]!r}, this run {mine[key]!r}"
-            what += f"; not here: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
+            if missing:
+                more = " ..." if len(missing) > 3 else ""
+                what += f"; not here: {', '.join(missing[:3])}{more}"
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
                             "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
                             "this data in a new run: --out_dir=<a new folder>, from its weights with "
@@ -218,8 +222,8 @@ MIN_CHUNK = 2**20  # tokens: a text under ~4 MB is one chunk, its val split one 
 
 
 def source_files(data):
-    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it, at any
-    depth, sorted; empty and hidden ones skipped) or a glob pattern."""
+    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it,
+    at any depth, sorted; empty and hidden ones skipped) or a glob pattern."""
     if glob.has_magic(data):
         paths = sorted(p for p in glob.glob(os.path.expanduser(data), recursive=True) if os.path.isfile(p))
         if not paths:
@@ -257,7 +261,8 @@ def unknown_files(folder):
 
 def own_text_dir(data, out_dir):
     """Where --data is tokenized: data_cache/<name>-<hash of the path> in out_dir's parent folder, e.g.
-    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share it."""
+    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share
+    it."""
     spec = os.path.abspath(os.path.expanduser(data))
     name = re.sub(r"[^\w.-]+", "_", os.path.basename(spec.rstrip(os.sep))).strip("_.") or "data"
     parent = os.path.dirname(os.path.normpath(out_dir)) or "."
@@ -274,8 +279,8 @@ def split_rows(cache, T):
 
 def split_plan(size):
     """(shard_size, val_fraction) for a text of size bytes: ~8 chunks of at least MIN_CHUNK tokens, the
-    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every run on
-    the cache reads the same val tokens and its val losses compare."""
+    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every
+    run on the cache reads the same val tokens and its val losses compare."""
     est = max(1, size // 4)  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
     low, high = VAL_FRACTIONS
     return min(10**8, max(est // 8, MIN_CHUNK)), max(low, min(high, VAL_TOKENS / est))
@@ -295,10 +300,10 @@ def check_rows(data, cache, T, rows):
 
 def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
     """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
-    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
-    cache is built aside and swapped in only when this run can use it: an error leaves nothing behind.
-    resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are never replaced
-    by other ones (an edited text: text_changed)."""
+    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens.
+    A new cache is built aside and swapped in only when this run can use it: an error leaves nothing
+    behind. resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are
+    never replaced by other ones (an edited text: text_changed)."""
     files = source_files(data)
     stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
              "text_column": text_column}
@@ -341,10 +346,10 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
 
 
 def text_changed(data, cache, new, resume):
-    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on the
-    cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so the run can
-    still continue on them. A text that tokenizes the same (only touched), or a cache the checkpoint was not
-    trained on, passes."""
+    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on
+    the cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so
+    the run can still continue on them. A text that tokenizes the same (only touched), or a cache
+    the checkpoint was not trained on, passes."""
     try:
         old = shards.load_manifest(cache)
     except UserError:
@@ -395,9 +400,10 @@ def python_sources():
 
 def prepare_python_corpus(data_dir):
     """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
-    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py; val is the head
-    of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on 3.11). Only into a folder
-    that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
+    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py;
+    val is the head of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on
+    3.11). Only into a folder that is missing or empty (or holds an unfinished build of it); one
+    with shards is left as it is."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         return  # a file: shard_paths() says what to do instead
     manifest = os.path.join(data_dir, shards.MANIFEST)
@@ -431,9 +437,10 @@ def prepare_python_corpus(data_dir):
 
 
 def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text", resume=None):
-    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
-    checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint resumed from, when
-    the text changed), the quickstart corpus (data_source="python"), or data_dir as it is."""
+    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each
+    split checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint
+    resumed from, when the text changed), the quickstart corpus (data_source="python"), or data_dir
+    as it is."""
     if data:
         cache = own_text_dir(data, out_dir)
         if build:
@@ -447,9 +454,9 @@ def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, tex
 
 
 def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
-    """The shard folder the run reads (prepare: rank 0 builds, the others check they see it), each split
-    holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained on is kept
-    when the text changed."""
+    """The shard folder the run reads (prepare: rank 0 builds, the others check they see it), each
+    split holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained
+    on is kept when the text changed."""
     resume = None
     if ckpt is not None and isinstance(ckpt.get("loader"), dict):
         resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]}

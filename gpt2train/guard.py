@@ -40,11 +40,12 @@ def remedy(cfg):
 
 def catch_stop_signals(notice=None):
     """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
-    current optimizer step, or an evaluation at its next batch, and saves) and answered at once with the
-    line notice(signum) returns (None: nothing said); a second one raises Stopped wherever the loop is (a
-    save in progress leaves its .tmp, never a broken file under a checkpoint's name). The loop ignores
-    both once its last checkpoint is written; main() puts the previous handlers back. The line goes
-    straight to stderr's file descriptor: a print inside a handler can collide with one in progress."""
+    current optimizer step, or an evaluation at its next batch, and saves) and answered at once with
+    the line notice(signum) returns (None: nothing said); a second one raises Stopped wherever the
+    loop is (a save in progress leaves its .tmp, never a broken file under a checkpoint's name). The
+    loop ignores both once its last checkpoint is written; main() puts the previous handlers back.
+    The line goes straight to stderr's file descriptor: a print inside a handler can collide with
+    one in progress."""
     got = []
 
     def handler(signum, frame):
@@ -64,10 +65,10 @@ def catch_stop_signals(notice=None):
 
 class Guard:
     """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops the
-    run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient norm
-    is more than z standard deviations above its mean over the last OUTLIER_WINDOW steps (the test
-    starts once the window is full; every finite step goes into it, llm.c-style, so a lasting shift
-    is absorbed). Its state is saved in checkpoints: a resumed run skips the same steps."""
+    run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient
+    norm is more than z standard deviations above its mean over the last OUTLIER_WINDOW steps (the
+    test starts once the window is full; every finite step goes into it, llm.c-style, so a lasting
+    shift is absorbed). Its state is saved in checkpoints: a resumed run skips the same steps."""
 
     def __init__(self, z, max_skipped, state=None):
         self.z, self.max_skipped = z, max_skipped
@@ -90,8 +91,8 @@ class Guard:
         return {"loss": list(self.history["loss"]), "norm": list(self.history["norm"]), "in_a_row": self.in_a_row}
 
     def diverged(self, why, step, newest, cfg):
-        """The Diverged that stops a run after max_skipped steps skipped in a row (the last at step, for
-        why), naming the newest checkpoint and what to try."""
+        """The Diverged that stops a run after max_skipped steps skipped in a row (the last at step,
+        for why), naming the newest checkpoint and what to try."""
         return Diverged(f"the run diverged: {self.in_a_row} optimizer steps in a row were skipped ({why}), "
                         f"the last at step {step} (newest checkpoint: {newest or 'none'}); {remedy(cfg)}")
 
@@ -132,8 +133,8 @@ class Asks(NamedTuple):
 
 
 def stop_asks(signals, progress, checkpoint_minutes):
-    """This rank's Asks after a step: a stop signal caught, out of time (too little left for the longest
-    iteration, a step and a save before progress.deadline), a save by the clock due."""
+    """This rank's Asks after a step: a stop signal caught, out of time (too little left for the
+    longest iteration, a step and a save before progress.deadline), a save by the clock due."""
     now = time.time()
     out_of_time = now + progress.longest + progress.step_s + progress.save_s > progress.deadline
     clock_due = checkpoint_minutes > 0 and now - progress.saved_at > checkpoint_minutes * 60

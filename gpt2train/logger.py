@@ -15,8 +15,8 @@ summary.
 
 Neither package is needed unless asked for: each is imported only then, and a missing one stops the
 run at start-up with one line that says how to install it. W&B reads its usual environment
-(WANDB_MODE=offline writes the run under out_dir/wandb/ and needs no network or account; WANDB_API_KEY,
-WANDB_ENTITY, ...).
+(WANDB_MODE=offline writes the run under out_dir/wandb/ and needs no network or account;
+WANDB_API_KEY, WANDB_ENTITY, ...).
 """
 import atexit
 import collections
@@ -107,15 +107,16 @@ def read_kept(path):
 
 
 class RunLog:
-    """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and, when
-    asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run (its
-    history, under out_dir/wandb/). write(event, **extra): event is {"step": s, key: value, ...} as
-    log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that log.jsonl
-    keeps its fields."""
+    """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and,
+    when asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run
+    (its history, under out_dir/wandb/). write(event, **extra): event is {"step": s, key: value,
+    ...} as log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that
+    log.jsonl keeps its fields."""
 
     def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name="", resumed=False):
         """resumed: the run continues from a checkpoint in out_dir, so its W&B run (its id kept in
-        out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the resume."""
+        out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the
+        resume."""
         self.path = os.path.join(out_dir, "log.jsonl")
         self.file = open(self.path, "a", buffering=1)  # kept open for the run; line-buffered: each row lands whole
         tb = load("tensorboard") if tensorboard else None
@@ -216,8 +217,8 @@ class StepTimer:
         self.seen_first = False
 
     def eta(self, dt, steps_left):
-        """Records a step that took dt seconds; returns the seconds that steps_left more such steps take,
-        or None while there is no step to go by."""
+        """Records a step that took dt seconds; returns the seconds that steps_left more such steps
+        take, or None while there is no step to go by."""
         if self.seen_first:
             self.times.append(dt)
         self.seen_first = True
@@ -252,8 +253,9 @@ def micro_step_bar(grad_accum, master, stream=None):
 
 def trim_log(path, step, keep_evals):
     """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has no
-    duplicates: every row from step on, except the evals at step itself when the checkpoint was written
-    after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too."""
+    duplicates: every row from step on, except the evals at step itself when the checkpoint was
+    written after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too.
+    """
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -278,8 +280,8 @@ def trim_log(path, step, keep_evals):
 
 def summary(run, progress):
     """Print the end of a finished run: its checkpoint, last and best val loss (log.jsonl: the whole
-    run, resumed sessions included), tokens, wall time and tok/s of this session, and the commands to
-    run next. run: the trainer's Run; progress: its loop state."""
+    run, resumed sessions included), tokens, wall time and tok/s of this session, and the commands
+    to run next. run: the trainer's Run; progress: its loop state."""
     cfg = run.cfg
     try:
         with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
