@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from gpt2train import optim
 from gpt2train import precision
+from gpt2train.logger import redirect0
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing, write_json
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from gpt2train.distributed import agree
@@ -172,9 +173,10 @@ def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
     step = Step(config, seq_len, dtype=plan.dtype, device_type=plan.device_type, loss_impl=settings["loss"],
                 activation_checkpointing=settings["ckpt"])
     set_loss_head(raw, plan, micro_batch, seq_len, choose_loss_impl(plan, step, micro_batch)[0])
-    optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=plan.device_type,
-                                        ns_dtype=optim.ns_dtype_for(settings.get("dtype"), plan.device_type),
-                                        fused=settings["fused"], verbose=False)
+    with redirect0(None):  # the optimizer's line once a rung would bury the table
+        optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1, device_type=plan.device_type,
+                                            ns_dtype=optim.ns_dtype_for(settings.get("dtype"), plan.device_type),
+                                            fused=settings["fused"])
     if plan.compile:
         torch._dynamo.reset()  # a fresh cache per rung: no recompile limit, no stale graphs
     return raw, precision.compile_model(raw, plan, mode=settings.get("compile_mode")), optimizers

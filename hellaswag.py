@@ -39,6 +39,7 @@ from gpt2train import precision
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, write_json
 from model import GPT, GPT2_VOCAB_SIZE, PRETRAINED
 from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.distributed import rank0_first
 from gpt2train.tokenizer import get_encoding
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
@@ -147,6 +148,19 @@ def load_examples(split="val", data_file=None, data_dir=DEFAULT_DIR, download=Tr
     if not examples:
         raise HellaSwagError(f"{path} has no rows")
     return examples
+
+
+def training_examples(cfg, env, startup):
+    """The trainer's examples (cfg.hellaswag_file or the download, hellaswag_limit of them), loaded
+    once at start-up: rank 0 first (it downloads), then the others (they read its cache)."""
+    def load():
+        try:
+            return load_examples("val", data_file=cfg.hellaswag_file or None, download=True,
+                                 file_option="--hellaswag_file")
+        except Exception as e:  # offline, a missing or malformed file: the user's to fix
+            raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or "
+                            "--hellaswag_interval=0)") from None
+    return rank0_first(load, env, startup)[:cfg.hellaswag_limit or None]
 
 # -----------------------------------------------------------------------------
 # scoring

@@ -15,6 +15,7 @@ import os
 import sys
 
 from gpt2train.fileio import ArgumentParser, UserError, check_output_file, fail, replacing
+from gpt2train.logger import print0
 
 # -----------------------------------------------------------------------------
 # reference scores: zero-shot HellaSwag acc_norm of OpenAI's checkpoints, completion style (as
@@ -200,7 +201,7 @@ def missing_matplotlib():
 _noted = False
 
 
-def refresh(out_dir, say=print):
+def refresh(out_dir):
     """Redraw out_dir/curves.png when matplotlib (optional) is installed; without it, nothing and no
     word (plot.py says how to get it). Never raises: the first problem (an unreadable log...) is
     said once, as a note, and later ones stay silent. Returns True when the file was written."""
@@ -214,7 +215,7 @@ def refresh(out_dir, say=print):
         note = f"could not draw curves.png ({type(e).__name__}: {e})"
     if not _noted:
         _noted = True
-        say(f"note: {note}; training goes on without curves.png")
+        print0(f"note: {note}; training goes on without curves.png")
     return False
 
 # -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from gpt2train import precision
 from gpt2train.fileio import ArgumentParser, UserError, fail
 from model import GPT
 from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.logger import redirect0
 from gpt2train.tokenizer import EOT, get_encoding
 
 # -----------------------------------------------------------------------------
@@ -106,8 +107,8 @@ def main(argv=None):
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
         plan = precision.make_plan(device, args.precision, compile=False)
-        # a run's out_dir: its newest readable ckpt_*.pt
-        path = newest_checkpoint(args.model, warn=say)
+        with redirect0(sys.stderr):  # a run's out_dir: its newest readable ckpt_*.pt (a skipped one said)
+            path = newest_checkpoint(args.model)
         if path != args.model:
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "
                 f"{path}")

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.getcwd())  # run from the project root
 from gpt2train import optim  # noqa: E402
+from gpt2train.logger import redirect0  # noqa: E402
 from gpt2train import precision  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -64,8 +65,8 @@ def muon_launches():
         m = GPT(GPTConfig(vocab_size=50304))
     for p in m.parameters():
         p.grad = torch.empty_like(p)
-    muon = optim.build_optimizers(m, "muon", device_type="cuda", fused=False, ns_dtype=torch.bfloat16,
-                                  verbose=False)[1]
+    with redirect0(None):
+        muon = optim.build_optimizers(m, "muon", device_type="cuda", fused=False, ns_dtype=torch.bfloat16)[1]
     for label, found_inf in (("first step", None), ("next step", None),
                              ("next step, found_inf given", torch.zeros((), device="meta"))):
         if found_inf is not None:
@@ -82,7 +83,8 @@ def extra_reads(precision_name, optimizer):
     torch.manual_seed(0)
     m = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
     plan = precision.make_plan("cpu", precision_name)
-    opts = optim.build_optimizers(m, optimizer, lr=1e-3, device_type="cpu", fused=True, verbose=False)
+    with redirect0(None):
+        opts = optim.build_optimizers(m, optimizer, lr=1e-3, device_type="cpu", fused=True)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     params = [p for p in m.parameters() if p.requires_grad]
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpt2train import data  # noqa: E402
 from gpt2train import optim  # noqa: E402
+from gpt2train.logger import redirect0  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,8 +98,8 @@ def run(scale, kind, lr, muon_lr):
     torch.manual_seed(SEED)
     model = GPT(GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"], block_size=s["T"],
                           vocab_size=s["vocab_size"]))
-    opts = optim.build_optimizers(model, kind, lr=lr, weight_decay=0.1, muon_lr=muon_lr or optim.MUON_LR,
-                                  verbose=False)
+    with redirect0(None):
+        opts = optim.build_optimizers(model, kind, lr=lr, weight_decay=0.1, muon_lr=muon_lr or optim.MUON_LR)
     if s["corpus"] == "bytes":
         train, val = ByteCorpus("train", s["B"], s["T"]), ByteCorpus("val", 8, s["T"])
     else:
@@ -138,7 +139,8 @@ def timing(scale, steps=24):
         torch.manual_seed(SEED)
         models[kind] = GPT(GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
                                      block_size=s["T"], vocab_size=s["vocab_size"]))
-        opts[kind] = optim.build_optimizers(models[kind], kind, lr=1e-3, muon_lr=1e-3, verbose=False)
+        with redirect0(None):
+            opts[kind] = optim.build_optimizers(models[kind], kind, lr=1e-3, muon_lr=1e-3)
     x = torch.randint(0, s["vocab_size"], (s["B"], s["T"] + 1), generator=torch.Generator().manual_seed(SEED))
     for step in range(steps + 2):
         for kind in ms:

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpt2train import data, optim, precision  # noqa: E402
 from gpt2train.config import Config  # noqa: E402
+from gpt2train.logger import redirect0  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,11 +139,13 @@ def run(name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
     model = make_model(size, seed)
     if keys.get("zero_init_proj"):
         model.zero_init_projections()
-    opts = optim.build_optimizers(model, optimizer, lr=lr, weight_decay=BASE["weight_decay"],
-                                  muon_lr=muon_lr or optim.MUON_LR, muon_split_qkv=keys.get("muon_split_qkv", False),
-                                  embed_lr_mult=keys.get("embed_lr_mult", 1.0),
-                                  scalar_lr_mult=keys.get("scalar_lr_mult", 1.0),
-                                  muon_scaling=keys.get("muon_scaling", "match_rms_adamw"), verbose=False)
+    with redirect0(None):
+        opts = optim.build_optimizers(model, optimizer, lr=lr, weight_decay=BASE["weight_decay"],
+                                      muon_lr=muon_lr or optim.MUON_LR,
+                                      muon_split_qkv=keys.get("muon_split_qkv", False),
+                                      embed_lr_mult=keys.get("embed_lr_mult", 1.0),
+                                      scalar_lr_mult=keys.get("scalar_lr_mult", 1.0),
+                                      muon_scaling=keys.get("muon_scaling", "match_rms_adamw"))
     cfg, plan = schedule_config(steps, lr, keys), precision.make_plan("cpu", "fp32")
     scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())
     train, tok = ByteText("train", STATE["B"], STATE["T"], seed), STATE["B"] * STATE["T"]
@@ -419,7 +422,8 @@ def calibrate(steps=4):
     rows = []
     for name, size in CANDIDATES.items():
         model = make_model(size, 0)
-        opts = optim.build_optimizers(model, "muon", lr=1e-3, verbose=False)
+        with redirect0(None):
+            opts = optim.build_optimizers(model, "muon", lr=1e-3)
         loader, times = ByteText("train", STATE["B"], STATE["T"]), []
         for i in range(steps + 1):
             t0 = time.perf_counter()

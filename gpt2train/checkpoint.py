@@ -1,9 +1,9 @@
 """
-A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune), what a checkpoint
-changes on resume, and the lock that keeps one live run per out_dir.
+A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune),
+what a checkpoint changes on resume, and the lock that keeps one live run per out_dir.
 
     lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
-    ckpt, overrides = resume_overrides(out_dir, cfg, given, say)   # the checkpoint to continue from, what it fixes
+    ckpt, overrides = resume_overrides(out_dir, cfg, given)   # the checkpoint to continue from, what it fixes
     save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master, **extra)
     restore(ckpt, raw_model, optimizers, scaler, loader, device)   # what it continues from, put back
 
@@ -29,9 +29,13 @@ import torch
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
 from gpt2train.distributed import agree
 from gpt2train.fileio import DiskFull, UserError, missing_dirs, remove_empty_dirs, replacing
+from gpt2train import optim
+from gpt2train.guard import Diverged, remedy
+from gpt2train.logger import print0, warn0
 from gpt2train.sharding import full_state, load_optimizer_state
 
-# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from its model)
+# the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from
+# its model)
 RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
             "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule", "cooldown_frac", "embed_lr_mult",
             "scalar_lr_mult", "muon_momentum_warmup", "muon_split_qkv", "zero_init_proj")
@@ -47,10 +51,11 @@ def checkpoint_files(out_dir):
     return sorted(((int(f[5:-3]), os.path.join(out_dir, f)) for f in names), reverse=True)
 
 
-def held_steps(out_dir, warn=None):
-    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step (not
-    by the name). An unreadable (truncated, foreign) file is left out, with a warning naming it when warn
-    is given. The steps are read with mmap: the zip's directory and one number, not the tensors."""
+def held_steps(out_dir, skipped=None):
+    """[(the step it holds, path)] of the readable checkpoints in out_dir, newest first by that step
+    (not by the name). An unreadable (truncated, foreign) file is left out, its warning (naming it)
+    appended to the list skipped when given. The steps are read with mmap: the zip's directory and
+    one number, not the tensors."""
     held = []
     for _, path in checkpoint_files(out_dir):
         try:
@@ -58,26 +63,39 @@ def held_steps(out_dir, warn=None):
         except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
             why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
             why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
-            warn and warn(f"warning: skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
+            if skipped is not None:
+                skipped.append(f"skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
     return sorted(held, reverse=True)
 
 
-def newest_checkpoint(spec, warn=print):
-    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its newest
-    readable checkpoint by the step it holds, as the trainer resumes (an unreadable one skipped, warned):
-    sample.py, hellaswag.py and export.py take a run folder this way. A run's folder with no
-    checkpoint yet is one UserError line saying so (not a loader's "no model weights" for a folder)."""
+def warned_held_steps(out_dir):
+    """held_steps, each unreadable file left out said in one warning line (warn0)."""
+    skipped = []
+    held = held_steps(out_dir, skipped)
+    for line in skipped:
+        warn0(line)
+    return held
+
+
+def newest_checkpoint(spec):
+    """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its
+    newest readable checkpoint by the step it holds, as the trainer resumes (an unreadable one
+    skipped, warned): sample.py, hellaswag.py and export.py take a run folder this way. A run's
+    folder with no checkpoint yet is one UserError line saying so (not a loader's "no model weights"
+    for a folder)."""
     files = checkpoint_files(spec)
     if not files and is_run_folder(spec):
         raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
                         "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
-    held = held_steps(spec, warn) if files else []
-    return held[0][1] if held else files[0][1] if files else spec  # none readable: read_checkpoint says why
+    held = warned_held_steps(spec) if files else []
+    if held:
+        return held[0][1]
+    return files[0][1] if files else spec  # none readable: read_checkpoint says why
 
 
 def is_run_folder(path):
-    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json with
-    "resolved"), not a save_pretrained directory."""
+    """Whether path is a folder train_gpt2.py writes into (its run.lock, log.jsonl, or a config.json
+    with "resolved"), not a save_pretrained directory."""
     if not os.path.isdir(path):
         return False
     if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
@@ -90,8 +108,8 @@ def is_run_folder(path):
 
 
 def read_checkpoint(path):
-    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers (weights_only),
-    or one UserError line for a missing, truncated or foreign file."""
+    """A checkpoint written by train_gpt2.py, as a dict of plain CPU tensors and numbers
+    (weights_only), or one UserError line for a missing, truncated or foreign file."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path!r} is a folder: pass one of the ckpt_*.pt files in it")
     if not os.path.isfile(path):
@@ -133,15 +151,15 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
-def latest_checkpoint(out_dir, warn=print):
+def latest_checkpoint(out_dir):
     """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
-    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming it;
-    only the chosen file is read in full."""
-    for _, path in held_steps(out_dir, warn):
+    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming
+    it; only the chosen file is read in full."""
+    for _, path in warned_held_steps(out_dir):
         try:
             return path, read_checkpoint(path)
         except UserError as e:
-            warn(f"warning: skipping {path}: {e}")
+            warn0(f"skipping {path}: {e}")
     return None, None
 
 
@@ -152,8 +170,9 @@ def optimizer_kind(ckpt):
 
 def run_out_dir(cfg, given):
     """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
-    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never lands in
-    another run's out_dir: the config's own run, or another config's run on the same text."""
+    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never
+    lands in another run's out_dir: the config's own run, or another config's run on the same text.
+    """
     if cfg.data and given.get("out_dir") != "cli":
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
         name = os.path.splitext(name)[0] or "data"
@@ -161,12 +180,13 @@ def run_out_dir(cfg, given):
     return cfg.out_dir
 
 
-def resume_overrides(out_dir, cfg, given, say=print):
+def resume_overrides(out_dir, cfg, given):
     """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value} it
-    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one, auto
-    takes one if there is one. A model shape, init_from or optimizer the user set that differs from the
-    checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed reported in one
-    line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...) come from cfg."""
+    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one,
+    auto takes one if there is one. A model shape, init_from or optimizer the user set that differs
+    from the checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed
+    reported in one line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...)
+    come from cfg."""
     files = checkpoint_files(out_dir)
     how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
     if cfg.resume == "false":
@@ -179,7 +199,7 @@ def resume_overrides(out_dir, cfg, given, say=print):
             raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at "
                             "the run")
         return None, {}
-    path, ckpt = latest_checkpoint(out_dir, warn=say)
+    path, ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         raise UserError(f"out_dir {out_dir!r} holds ckpt_*.pt files but none is readable: choose another --out_dir")
     saved, model_args = ckpt.get("config", {}), ckpt["model_args"]
@@ -196,10 +216,57 @@ def resume_overrides(out_dir, cfg, given, say=print):
     overrides = {k: saved.get(k, BEFORE_THE_KEY.get(k)) for k in RUN_KEYS if k in saved or k in BEFORE_THE_KEY}
     changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})" for k, v in overrides.items() if v != getattr(cfg, k)]
     if changed:
-        say(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the run; "
-            f"to change them start a new run in another out_dir")
+        print0(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the "
+               "run; to change them start a new run in another out_dir")
     ckpt["path"] = path
     return ckpt, overrides
+
+
+def resume_point(cfg, given, env, device, lock):
+    """(out_dir, the checkpoint to continue from or None, {key: value} it fixes): out_dir taken for
+    this run (rank 0 holds its lock), the resume decision made (resume_overrides), every rank
+    continuing from the same step."""
+    out_dir = run_out_dir(cfg, given)
+    if env.master:
+        lock.acquire(out_dir)
+    ckpt, overrides = resume_overrides(out_dir, cfg, given)
+    if env.ddp:  # out_dir must be one folder all nodes see
+        held = float(ckpt["step"]) if ckpt is not None else -1.0
+        if agree(held, "min", device) != agree(held, "max", device):
+            mine = f"step {ckpt['step']}" if ckpt is not None else "none"
+            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
+                            f"{mine}): put out_dir on a filesystem every node sees, or copy the newest "
+                            "ckpt_*.pt to every node's out_dir")
+    return out_dir, ckpt, overrides
+
+
+def say_extension(cfg, ckpt, out_dir):
+    """Print a resume's one note on how the lr schedule goes on when max_steps grew past the
+    checkpoint's (extension_note), naming wsd's kept cooldown-start checkpoint when the run is past
+    it."""
+    planned = ckpt.get("config", {}).get("max_steps")
+    if not isinstance(planned, int):
+        return
+    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    path = checkpoint_path(out_dir, branch) if branch is not None else None
+    path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
+    note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
+    if note:
+        print0(note)
+
+
+def kept_branches(cfg, ckpt):
+    """The cooldown-start steps (wsd) of the plans before this one, whose checkpoints stay: the
+    checkpoint's own list and, when max_steps grew, the cooldown start of the max_steps it was
+    planned for (say_extension offers it)."""
+    if ckpt is None:
+        return ()
+    planned = ckpt.get("config", {}).get("max_steps")
+    old = None
+    if isinstance(planned, int):
+        old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
+    return tuple(sorted(kept - {optim.cooldown_start(cfg)}))
 
 
 def evals_done_at(ckpt):
@@ -213,18 +280,67 @@ def finished(ckpt, max_steps):
     return ckpt is not None and (ckpt["step"] > max_steps or evals_done_at(ckpt) == max_steps)
 
 
+def finished_line(ckpt, max_steps):
+    """The line for an out_dir whose checkpoint holds a finished run (finished): nothing to do."""
+    return (f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={max_steps}): nothing "
+            "to do; raise --max_steps to train on (how the lr schedule goes on: docs/training.md, "
+            "'Extending a run'), or choose another --out_dir")
+
+
 def prune_checkpoints(out_dir, step, keep_last, keep=()):
     """Once ckpt_{step} is in place: delete the readable checkpoints that hold an older step but the
-    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was killed. An
-    unreadable file is never counted among those kept and never deleted (resume skipped it, with a warning
-    naming it); a checkpoint holding a later step (from before a resume), or one of the steps in keep (wsd's
-    cooldown start), is left alone."""
+    keep_last - 1 newest of them (keep_last 0: keep all), and the .tmp left by a save that was
+    killed. An unreadable file is never counted among those kept and never deleted (resume skipped
+    it, with a warning naming it); a checkpoint holding a later step (from before a resume), or one
+    of the steps in keep (wsd's cooldown start), is left alone."""
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):
             os.remove(os.path.join(out_dir, name))
     older = [path for s, path in held_steps(out_dir) if s < step and s not in keep]
     for path in older[keep_last - 1:] if keep_last > 0 else []:
         os.remove(path)
+
+
+BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a new out_dir and resume "
+               "there with a larger --max_steps)")
+
+
+def due(run, step, last, progress):
+    """Whether the trainer writes a checkpoint before this step: at the end, every
+    checkpoint_interval steps, by the clock (checkpoint_minutes), or at wsd's cooldown start when
+    checkpoint_interval is on (kept: the run continues from it with a larger max_steps exactly as if
+    planned); never at step 0 or at the step the resumed checkpoint holds."""
+    every = run.cfg.checkpoint_interval
+    branch = every > 0 and step == optim.cooldown_start(run.cfg)
+    interval = every > 0 and step % every == 0
+    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch or interval)
+
+
+def save_run(run, step, progress, evals_done=True):
+    """Check on every rank that the state is finite (so that all stop alike), write the trainer's
+    checkpoint of step on rank 0 and delete those keep_last no longer keeps (never wsd's cooldown
+    start or run.kept); note it in progress (the loop's state) and return its path."""
+    cfg, branch = run.cfg, optim.cooldown_start(run.cfg)
+    if not finite_state(run.raw_model, run.optimizers, run.plan.device):
+        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
+                       f"so it is not written: the run diverged (newest checkpoint: "
+                       f"{progress.newest or 'none'}); {remedy(cfg)}")
+    t = time.time()
+    path = checkpoint_path(cfg.out_dir, step)
+    save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(cfg),
+                    run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
+                    guard=progress.guard.state_dict(), kept=list(run.kept))
+    if run.env.master:
+        prune_checkpoints(cfg.out_dir, step, cfg.keep_last, keep=(branch, *run.kept))
+        note = BRANCH_NOTE if step == branch and step < cfg.max_steps else ""
+        print0(f"step {step:6d} | saved {path}{note}")
+    progress.newest, progress.saved_at, progress.save_s = path, time.time(), 1.5 * (time.time() - t)
+    progress.saved_step = step
+    note = run.env.shutdown_grace_note(progress.step_s + time.time() - t)  # a stop: a step, a save
+    if note and not progress.warned_grace:  # once a run
+        progress.warned_grace = True
+        print0(note)
+    return path
 
 
 def rng_state(device):
@@ -244,8 +360,8 @@ def set_rng_state(state, device):
 
 def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master=True, **extra):
     """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes.
-    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at this
-    step ran, the skip guard's history)."""
+    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at
+    this step ran, the skip guard's history)."""
     model_state, optimizer_state = full_state(raw_model, optimizers)  # full CPU tensors on rank 0
     if not master:
         return
@@ -315,8 +431,8 @@ def _boot_id():
 
 
 def _process_start(pid):
-    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there is no
-    such process: a pid reused by another program does not look like the holder."""
+    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there
+    is no such process: a pid reused by another program does not look like the holder."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
@@ -335,9 +451,10 @@ BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}  # (no permission, rea
 
 
 def make_out_dir(out_dir):
-    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file on the way
-    (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a read-only filesystem stays the
-    OSError fileio.fail answers with exit 2; a full disk or an I/O error, exit 1."""
+    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file
+    on the way (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a
+    read-only filesystem stays the OSError fileio.fail answers with exit 2; a full disk or an I/O
+    error, exit 1."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -352,10 +469,11 @@ def make_out_dir(out_dir):
 
 
 class OutDirLock:
-    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google Drive,
-    where fcntl/flock locks may not hold), naming its holder; a thread touches it every HEARTBEAT seconds. Stale,
-    and taken over: a holder on this host that is gone (its pid gone or now another process, or the machine
-    rebooted), or one on another host silent for STALE seconds. A killed run never blocks resume=auto."""
+    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google
+    Drive, where fcntl/flock locks may not hold), naming its holder; a thread touches it every
+    HEARTBEAT seconds. Stale, and taken over: a holder on this host that is gone (its pid gone or
+    now another process, or the machine rebooted), or one on another host silent for STALE seconds.
+    A killed run never blocks resume=auto."""
     HEARTBEAT, STALE = 30.0, 300.0
 
     def __init__(self):

@@ -27,6 +27,7 @@ import torch
 
 from gpt2train import shards
 from gpt2train.fileio import UserError, missing_dirs, remove_empty_dirs, replacing_dir, write_json
+from gpt2train.logger import print0
 
 # -----------------------------------------------------------------------------
 # shards
@@ -47,8 +48,9 @@ def shard_paths(data_dir, split):
 
 
 def making_hint(data_dir):
-    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one that made it,
-    with --val_fraction when shard 0 was its only val, so that both splits come out), or --data."""
+    """How to make the shards data_dir lacks: a fineweb.py command that runs on that folder (the one
+    that made it, with --val_fraction when shard 0 was its only val, so that both splits come out),
+    or --data."""
     text = "or train on your text with --data=PATH"
     try:
         manifest = shards.load_manifest(data_dir) if os.path.isdir(data_dir) else None
@@ -68,8 +70,8 @@ def has_shards(data_dir):
 
 
 def check_shards(data_dir):
-    """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a partial
-    copy), with the ways to repair it; nothing without a manifest."""
+    """At start-up: UserError naming a shard data_dir's manifest lists that is missing or damaged (a
+    partial copy), with the ways to repair it; nothing without a manifest."""
     problems = shards.startup_problems(data_dir)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -95,8 +97,8 @@ def permutation(n, *key):
 
 
 def load_shard(path):
-    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated or
-    foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
+    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated
+    or foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
     try:
         shard = np.load(path, mmap_mode="r")
     except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
@@ -112,18 +114,18 @@ def load_shard(path):
 class TokenLoader:
     """(B, T) batches from the shards of one split.
 
-    A shard of n tokens is cut into (n - 1) // T rows: row j is tokens j*T .. j*T + T, the inputs and
-    (one on) the targets, so a row's last token is the next row's first and no token is lost between
-    rows. The last (n - 1) % T tokens of a shard (fewer than T: 0.001% of a 100M-token shard) are left
-    out rather than joined to another shard's, so that every row lies in one shard.
+    A shard of n tokens is cut into (n - 1) // T rows: row j is tokens j*T .. j*T + T, the inputs
+    and (one on) the targets, so a row's last token is the next row's first and no token is lost
+    between rows. The last (n - 1) % T tokens of a shard (fewer than T: 0.001% of a 100M-token
+    shard) are left out rather than joined to another shard's, so that every row lies in one shard.
 
     An epoch reads every row of the split exactly once. With shuffle, the shards come in an order
-    drawn from (seed, epoch) and each shard's rows in an order drawn from (seed, epoch, shard); without
-    it (the val split), in file order from the start. The rows of all epochs form one sequence, and the
-    k-th call of rank r of W reads its rows k*W*B + r*B .. + B: the ranks' rows are disjoint and,
-    together, the rows a single process reads with the same global batch. The state is (epoch, pos) only;
-    rows, not B*T windows, are the unit so that the micro-batch size and the number of ranks may change
-    without changing which tokens a step sees."""
+    drawn from (seed, epoch) and each shard's rows in an order drawn from (seed, epoch, shard);
+    without it (the val split), in file order from the start. The rows of all epochs form one
+    sequence, and the k-th call of rank r of W reads its rows k*W*B + r*B .. + B: the ranks' rows
+    are disjoint and, together, the rows a single process reads with the same global batch. The
+    state is (epoch, pos) only; rows, not B*T windows, are the unit so that the micro-batch size and
+    the number of ranks may change without changing which tokens a step sees."""
 
     def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True, seed=0):
         self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
@@ -188,8 +190,9 @@ class TokenLoader:
                 "shards": [os.path.basename(p) for p in self.paths]}
 
     def load_state_dict(self, state, ckpt_path=None):
-        """Continue from a checkpoint's position; one it does not describe (other data, another order) is
-        refused with the ways on: its own data, or a new run (from scratch or from its weights, ckpt_path)."""
+        """Continue from a checkpoint's position; one it does not describe (other data, another order)
+        is refused with the ways on: its own data, or a new run (from scratch or from its weights,
+        ckpt_path)."""
         theirs = {k: state.get(k) for k in self.identity()}
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
@@ -199,7 +202,9 @@ class TokenLoader:
                 f"{state.get('n_tokens') or 0:,} tokens; this run's: {len(mine['shards'])} shard(s), " \
                 f"{mine['n_tokens']:,} tokens" if key in ("shards", "n_tokens") else \
                 f"the checkpoint's {key}={theirs[key]!r}, this run {mine[key]!r}"
-            what += f"; not here: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
+            if missing:
+                more = " ..." if len(missing) > 3 else ""
+                what += f"; not here: {', '.join(missing[:3])}{more}"
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
                             "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
                             "this data in a new run: --out_dir=<a new folder>, from its weights with "
@@ -217,8 +222,8 @@ MIN_CHUNK = 2**20  # tokens: a text under ~4 MB is one chunk, its val split one 
 
 
 def source_files(data):
-    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it, at any
-    depth, sorted; empty and hidden ones skipped) or a glob pattern."""
+    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it,
+    at any depth, sorted; empty and hidden ones skipped) or a glob pattern."""
     if glob.has_magic(data):
         paths = sorted(p for p in glob.glob(os.path.expanduser(data), recursive=True) if os.path.isfile(p))
         if not paths:
@@ -227,7 +232,7 @@ def source_files(data):
         paths = shards.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         skipped = unknown_files(data)
         if skipped:  # named, so that a file the user meant to train on is not left out without a word
-            print(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
+            print0(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
                   f".parquet: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
         if not paths:
             raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
@@ -256,7 +261,8 @@ def unknown_files(folder):
 
 def own_text_dir(data, out_dir):
     """Where --data is tokenized: data_cache/<name>-<hash of the path> in out_dir's parent folder, e.g.
-    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share it."""
+    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share
+    it."""
     spec = os.path.abspath(os.path.expanduser(data))
     name = re.sub(r"[^\w.-]+", "_", os.path.basename(spec.rstrip(os.sep))).strip("_.") or "data"
     parent = os.path.dirname(os.path.normpath(out_dir)) or "."
@@ -273,8 +279,8 @@ def split_rows(cache, T):
 
 def split_plan(size):
     """(shard_size, val_fraction) for a text of size bytes: ~8 chunks of at least MIN_CHUNK tokens, the
-    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every run on
-    the cache reads the same val tokens and its val losses compare."""
+    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every
+    run on the cache reads the same val tokens and its val losses compare."""
     est = max(1, size // 4)  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
     low, high = VAL_FRACTIONS
     return min(10**8, max(est // 8, MIN_CHUNK)), max(low, min(high, VAL_TOKENS / est))
@@ -294,10 +300,10 @@ def check_rows(data, cache, T, rows):
 
 def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
     """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
-    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens. A new
-    cache is built aside and swapped in only when this run can use it: an error leaves nothing behind.
-    resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are never replaced
-    by other ones (an edited text: text_changed)."""
+    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens.
+    A new cache is built aside and swapped in only when this run can use it: an error leaves nothing
+    behind. resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are
+    never replaced by other ones (an edited text: text_changed)."""
     files = source_files(data)
     stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
              "text_column": text_column}
@@ -310,17 +316,17 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
         same = False
     broken = same and shards.startup_problems(cache)  # a shard deleted or cut short: made again
     if broken:
-        print(f"data: {cache}: {broken[0]}: tokenizing {data} again")
+        print0(f"data: {cache}: {broken[0]}: tokenizing {data} again")
     elif same:  # reused as it is, even when too small for this run: never split again for a seq_len
         check_rows(data, cache, T, rows)
-        print(f"data: {data} as tokenized before, in {cache}")
+        print0(f"data: {data} as tokenized before, in {cache}")
         return
     if os.path.isdir(cache):  # ours (made here) but stale: replaced as a whole rather than mixed with old shards
         ours = {CACHE_FILE, shards.MANIFEST, *shards.loose_shards(cache)}
         if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
     size = sum(s for _, s, _ in stamp["files"])
-    print(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
+    print0(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
     made = missing_dirs(os.path.dirname(os.path.abspath(cache)))  # the folders above cache: removed on a failure
     if made:
         os.makedirs(made[0])
@@ -329,7 +335,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
             said = io.StringIO()
             with contextlib.redirect_stdout(said):  # fineweb.py's lines name the temp folder: the cache's name
                 tokenize_into(files, tmp, *split_plan(size), text_column)
-            print(said.getvalue().replace(tmp, cache), end="")
+            print0(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
             if resume is not None:
                 text_changed(data, cache, tmp, resume)
@@ -340,10 +346,10 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
 
 
 def text_changed(data, cache, new, resume):
-    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on the
-    cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so the run can
-    still continue on them. A text that tokenizes the same (only touched), or a cache the checkpoint was not
-    trained on, passes."""
+    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on
+    the cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so
+    the run can still continue on them. A text that tokenizes the same (only touched), or a cache
+    the checkpoint was not trained on, passes."""
     try:
         old = shards.load_manifest(cache)
     except UserError:
@@ -394,9 +400,10 @@ def python_sources():
 
 def prepare_python_corpus(data_dir):
     """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
-    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py; val is the head
-    of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on 3.11). Only into a folder
-    that is missing or empty (or holds an unfinished build of it); one with shards is left as it is."""
+    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py;
+    val is the head of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on
+    3.11). Only into a folder that is missing or empty (or holds an unfinished build of it); one
+    with shards is left as it is."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         return  # a file: shard_paths() says what to do instead
     manifest = os.path.join(data_dir, shards.MANIFEST)
@@ -404,7 +411,7 @@ def prepare_python_corpus(data_dir):
         broken = os.path.exists(manifest) and shards.startup_problems(data_dir)
         if not broken:
             return
-        print(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
+        print0(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
     foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", shards.MANIFEST}
     if foreign and not has_shards(data_dir):
         raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
@@ -421,7 +428,7 @@ def prepare_python_corpus(data_dir):
         with open(files[-1], "w", encoding="utf-8") as f:
             f.write(text)
     files += python_sources()
-    print(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
+    print0(f"building the quickstart corpus in {data_dir} from {len(topics)} help topics and "
           f"{len(files) - len(topics)} standard library modules")
     shards.build(data_dir, source=files, prefix="python", shard_size=PYTHON_SHARD_SIZE,
                  val_fraction=PYTHON_VAL_FRACTION)
@@ -430,9 +437,10 @@ def prepare_python_corpus(data_dir):
 
 
 def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text", resume=None):
-    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each split
-    checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint resumed from, when
-    the text changed), the quickstart corpus (data_source="python"), or data_dir as it is."""
+    """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each
+    split checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint
+    resumed from, when the text changed), the quickstart corpus (data_source="python"), or data_dir
+    as it is."""
     if data:
         cache = own_text_dir(data, out_dir)
         if build:
@@ -443,3 +451,34 @@ def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, tex
     if os.path.isdir(data_dir):
         check_shards(data_dir)  # every rank: the shards it will read, against the manifest
     return data_dir
+
+
+def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
+    """The shard folder the run reads (prepare: rank 0 builds, the others check they see it), each
+    split holding a batch of the chosen B x T on every rank; a --data cache the checkpoint trained
+    on is kept when the text changed."""
+    resume = None
+    if ckpt is not None and isinstance(ckpt.get("loader"), dict):
+        resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]}
+    data_dir = prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
+                       build=env.master, text_column=cfg.text_column, resume=resume)
+    for split in ("train", "val"):
+        shard_paths(data_dir, split)  # (one line if not)
+    return data_dir
+
+
+def make_loaders(cfg, data_dir, B, T, env, vocab_size):
+    """(the train loader, the val loader or None when evals are off, the val_steps an eval runs):
+    val_steps is capped to the val split, said in one line, so that no row counts twice (a mistyped
+    --val_steps=100000 read the split over and over)."""
+    world = env.world_size
+    train = TokenLoader(data_dir, "train", B, T, env.rank, world, vocab_size, cfg.shuffle, cfg.seed)
+    if cfg.eval_interval == 0:
+        return train, None, cfg.val_steps
+    val = TokenLoader(data_dir, "val", B, T, env.rank, world, vocab_size, shuffle=False)
+    rows, most = cfg.val_steps * B * world, max(1, val.n_rows // (B * world))
+    if cfg.val_steps > most:
+        print0(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val split "
+               f"holds {val.n_rows:,}: evaluating val_steps={most} instead ({most * B * world:,} rows, "
+               "each at most once)")
+    return train, val, min(cfg.val_steps, most)

@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,8 @@ class DistEnv:
         return shlex.join(launcher + [os.path.relpath(os.path.abspath(script))] + args)
 
     def shutdown_grace_note(self, took):
-        """A note when a stop (the step in progress, then a save: took seconds) outlasts the grace torchrun
-        gives its workers between passing on a stop signal and SIGKILL; "" otherwise."""
+        """A note when a stop (the step in progress, then a save: took seconds) outlasts the grace
+        torchrun gives its workers between passing on a stop signal and SIGKILL; "" otherwise."""
         grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
         if not self.ddp or took <= grace:
             return ""
@@ -69,8 +70,9 @@ class DistEnv:
 
 
 def init(env, device, timeout_s):
-    """Under torchrun: the process group (NCCL on CUDA, gloo on CPU) with timeout_s for collectives, and
-    a gloo group for rank0_first's start-up waits (STARTUP_TIMEOUT). Returns that group, or None."""
+    """Under torchrun: the process group (NCCL on CUDA, gloo on CPU) with timeout_s for collectives,
+    and a gloo group for rank0_first's start-up waits (STARTUP_TIMEOUT). Returns that group, or
+    None."""
     if not env.ddp:
         return None
     device_type = torch.device(device).type
@@ -103,11 +105,11 @@ def agree(value, op, device, group=None):
 
 def rank0_first(work, env, startup):
     """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus, a
-    download in the cache). The ranks wait for each other in the start-up group (gloo, STARTUP_TIMEOUT:
-    tokenizing a large --data can outlast dist_timeout). Each turn ends with the ranks agreeing on the
-    worst outcome, so a failure on any rank stops them all at once, with its exit code (2 bad input, 1
-    otherwise), instead of leaving the others waiting for a peer that is gone and then blaming the network.
-    startup None (no torchrun): work() alone."""
+    download in the cache). The ranks wait for each other in the start-up group (gloo,
+    STARTUP_TIMEOUT: tokenizing a large --data can outlast dist_timeout). Each turn ends with the
+    ranks agreeing on the worst outcome, so a failure on any rank stops them all at once, with its
+    exit code (2 bad input, 1 otherwise), instead of leaving the others waiting for a peer that is
+    gone and then blaming the network. startup None (no torchrun): work() alone."""
     if startup is None:
         return work()
     result = None
@@ -118,7 +120,9 @@ def rank0_first(work, env, startup):
                 result = work()
             except Exception as e:  # noqa: BLE001 - said below, then raised again
                 failure = e
-        code = 0 if failure is None else 2 if isinstance(failure, UserError) else 1
+        code = 0
+        if failure is not None:
+            code = 2 if isinstance(failure, UserError) else 1
         worst = int(agree(code, "max", "cpu", group=startup))
         if failure is not None:
             if not env.master and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
@@ -130,6 +134,31 @@ def rank0_first(work, env, startup):
                 print(f"error: rank {env.rank}: {why}", file=sys.stderr)
             raise (UserError if worst == 2 else OSError)(why)
     return result
+
+
+class OverRanks(NamedTuple):
+    loss: object  # 0-d tensor: the loss averaged over the ranks
+    counts: object  # 1-D tensor on the device: how many ranks ask for each ask, or None alone
+
+
+def over_ranks(loss, asks, env):
+    """The loss averaged over the ranks and how many ranks ask for each of asks (numbers), in one
+    all_reduce (SUM) under torchrun, so that every rank decides alike; the counts stay on the device
+    for optim.optimizer_step to read with the loss and the norm, in one transfer. Alone: (loss,
+    None)."""
+    if not env.ddp:
+        return OverRanks(loss, None)
+    stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
+    dist.all_reduce(stats)
+    return OverRanks(stats[0] / env.world_size, stats[1:])
+
+
+def peer_failure_line(e, rank):
+    """The error line for a peer that stopped answering (dist_timeout) or went away (peer_failure(e))."""
+    why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    return (f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): check "
+            "that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints "
+            "written so far are intact, continue with --resume=auto")
 
 
 def peer_failure(e):

@@ -1,7 +1,13 @@
 """
-Where the trainer's numbers go besides the console: out_dir/log.jsonl always, and TensorBoard event
-files and a Weights & Biases run when the config asks for them; also the console's ETA and the
-progress bar of a long step. train_gpt2.py uses it on rank 0 only.
+The one printer (print0, warn0: rank 0's console lines) and where the trainer's numbers go besides
+the console: out_dir/log.jsonl always, TensorBoard event files and a Weights & Biases run when the
+config asks for them; also the console's ETA, the progress bar of a long step and the end-of-run
+summary.
+
+    set_rank(env.rank)                  # once, in the trainer's main: print0 prints on rank 0 only
+    print0(f"step {step} | ...")        # every console line of the package and the commands
+    warn0("torch.compile failed ...")   # the same, as "warning: ..."
+    with redirect0(sys.stderr): ...     # print0's lines to stderr (sample.py), or None: nowhere
 
     python train_gpt2.py configs/quickstart.py --tensorboard=true        # then: tensorboard --logdir out
     WANDB_MODE=offline python train_gpt2.py configs/quickstart.py --wandb_project=gpt2
@@ -9,21 +15,60 @@ progress bar of a long step. train_gpt2.py uses it on rank 0 only.
 
 Neither package is needed unless asked for: each is imported only then, and a missing one stops the
 run at start-up with one line that says how to install it. W&B reads its usual environment
-(WANDB_MODE=offline writes the run under out_dir/wandb/ and needs no network or account; WANDB_API_KEY,
-WANDB_ENTITY, ...).
+(WANDB_MODE=offline writes the run under out_dir/wandb/ and needs no network or account;
+WANDB_API_KEY, WANDB_ENTITY, ...).
 """
 import atexit
 import collections
+import contextlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
 
 from gpt2train.fileio import UserError, naming, replacing, write_json
+
+# -----------------------------------------------------------------------------
+# the one printer: rank 0's console
+
+RANK = 0  # this process's rank (set_rank): print0 prints on rank 0 only
+STREAM = []  # redirect0's streams, innermost last (None: nowhere); empty: sys.stdout
+
+
+def set_rank(rank):
+    """Tell print0 this process's rank, once, before the first line (the trainer's main)."""
+    global RANK
+    RANK = rank
+
+
+def print0(*args, file=None, **kwargs):
+    """print() on rank 0, to file, else redirect0's stream, else stdout (as it is at the call: pytest
+    swaps it)."""
+    stream = file or (STREAM[-1] if STREAM else sys.stdout)
+    if RANK == 0 and stream is not None:
+        print(*args, file=stream, **kwargs)
+
+
+def warn0(text):
+    """print0 of one "warning: ..." line."""
+    print0(f"warning: {text}")
+
+
+@contextlib.contextmanager
+def redirect0(stream):
+    """print0's lines go to stream inside the block (None: nowhere), e.g. sample.py's status lines to
+    stderr, the text alone on stdout."""
+    STREAM.append(stream)
+    try:
+        yield
+    finally:
+        STREAM.pop()
 
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
@@ -62,15 +107,16 @@ def read_kept(path):
 
 
 class RunLog:
-    """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and, when
-    asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run (its
-    history, under out_dir/wandb/). write(event, **extra): event is {"step": s, key: value, ...} as
-    log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that log.jsonl
-    keeps its fields."""
+    """Every event goes to out_dir/log.jsonl (one JSON object a line, appended across resumes) and,
+    when asked, to TensorBoard (event files in out_dir, one scalar tag per key) and to a W&B run
+    (its history, under out_dir/wandb/). write(event, **extra): event is {"step": s, key: value,
+    ...} as log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that
+    log.jsonl keeps its fields."""
 
     def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name="", resumed=False):
         """resumed: the run continues from a checkpoint in out_dir, so its W&B run (its id kept in
-        out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the resume."""
+        out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the
+        resume."""
         self.path = os.path.join(out_dir, "log.jsonl")
         self.file = open(self.path, "a", buffering=1)  # kept open for the run; line-buffered: each row lands whole
         tb = load("tensorboard") if tensorboard else None
@@ -115,6 +161,33 @@ class RunLog:
             self.wandb = None
 
 
+def compile_notes(watch, step, runlog):
+    """Print each compiled graph that ran eagerly since the last step (watch: precision.CompileWatch,
+    or None) as one warning line, and write it as a "compile" row in log.jsonl (runlog, or None)."""
+    for line in watch.check() if watch else ():
+        print0(line)
+        if runlog:
+            runlog.write({"step": step, "compile": line})
+
+
+def step_row(step, stepped, lrs, dt, tok_per_s):
+    """The log.jsonl row of an optimizer step (stepped: optim.Stepped; lrs: the base lrs, AdamW's and
+    Muon's); a norm JSON cannot hold (inf/nan) is null."""
+    row = {"step": step, "loss": stepped.loss, "lr": lrs[0]}
+    if len(lrs) > 1:
+        row["muon_lr"] = lrs[1]
+    row.update(norm=stepped.norm if math.isfinite(stepped.norm) else None, dt_ms=dt * 1000,
+               tok_per_s=tok_per_s)
+    if stepped.why:
+        row["skipped"] = stepped.why
+    return row
+
+
+def fmt_lrs(lrs):
+    """The base lrs on the console: AdamW's, or "adamw X muon Y" when there are two."""
+    return f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}" if len(lrs) > 1 else f"{lrs[0]:.2e}"
+
+
 def memory_stats(device):
     """Memory scalars for the dashboards, in MiB: the CUDA allocator's (allocated, reserved, peak
     allocated), or elsewhere the process's peak resident set."""
@@ -144,8 +217,8 @@ class StepTimer:
         self.seen_first = False
 
     def eta(self, dt, steps_left):
-        """Records a step that took dt seconds; returns the seconds that steps_left more such steps take,
-        or None while there is no step to go by."""
+        """Records a step that took dt seconds; returns the seconds that steps_left more such steps
+        take, or None while there is no step to go by."""
         if self.seen_first:
             self.times.append(dt)
         self.seen_first = True
@@ -180,8 +253,9 @@ def micro_step_bar(grad_accum, master, stream=None):
 
 def trim_log(path, step, keep_evals):
     """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has no
-    duplicates: every row from step on, except the evals at step itself when the checkpoint was written
-    after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too."""
+    duplicates: every row from step on, except the evals at step itself when the checkpoint was
+    written after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too.
+    """
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -199,3 +273,33 @@ def trim_log(path, step, keep_evals):
         with replacing(path) as tmp:
             with open(tmp, "w") as f:
                 f.write("".join(line + "\n" for line in keep))
+
+# -----------------------------------------------------------------------------
+# the end of a run
+
+
+def summary(run, progress):
+    """Print the end of a finished run: its checkpoint, last and best val loss (log.jsonl: the whole
+    run, resumed sessions included), tokens, wall time and tok/s of this session, and the commands
+    to run next. run: the trainer's Run; progress: its loop state."""
+    cfg = run.cfg
+    try:
+        with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+            vals = [(r["val_loss"], r["step"]) for r in map(json.loads, f) if "val_loss" in r]
+    except (OSError, ValueError):
+        vals = []
+    val = "no val loss (eval_interval=0)"
+    if vals:
+        val = f"val loss {vals[-1][0]:.4f} (best {min(vals)[0]:.4f} at step {min(vals)[1]})"
+    steps = cfg.max_steps - run.start_step
+    tokens = steps * run.tokens_per_step
+    speed = f"{tokens / progress.train_s:,.0f} tok/s" if progress.train_s > 0 else "n/a tok/s"
+    print0(f"done: step {cfg.max_steps} | {val} | {steps} steps, {tokens:,} tokens in "
+           f"{fmt_duration(time.time() - run.started)}, {speed} | "
+           f"checkpoint {progress.newest or 'none'}")
+    if progress.newest:
+        print0(f"next: python sample.py --model {cfg.out_dir}          # text from the newest checkpoint\n"
+               f"      python export.py {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
+               "  # a Hugging Face folder\n"
+               f"      python plot.py {cfg.out_dir}                    # the curves: "
+               f"{os.path.join(cfg.out_dir, 'curves.png')}")

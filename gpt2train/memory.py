@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from gpt2train.config import Config
 from gpt2train.distributed import agree
 from gpt2train.fileio import UserError
+from gpt2train.logger import warn0
 from gpt2train.loss import CE_CHUNK_ROWS, full_head_bytes, loss_chunk_rows, loss_head_temp_bytes
 from gpt2train.optim import train_step
 from gpt2train.precision import compile_model, compiles, fsdp_param_dtype, is_oom, synchronize
@@ -388,7 +389,7 @@ def micro_batch_cap(step, budget, slack=4):
                  f"fits {est}; probed up to {cap}")
 
 
-def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, warn=print):
+def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
     """micro_batch_size=auto: (micro_batch, reason, the model the sizes were timed with or None). On CUDA,
     OOM-guarded probe steps at lr 0 on the raw model and its optimizers find the largest sizes that fit, each
     with the loss head training would run at it; those are timed compiled as the plan compiles (once, at the
@@ -434,7 +435,7 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, warn=print):
     def measure(b):
         if not timed:
             compiled = compile_model(model, plan)
-            ok = compiled is model or compiles(compiled, b, T, plan, warn)
+            ok = compiled is model or compiles(compiled, b, T, plan)
             timed.append(compiled if agree(float(ok), "min", plan.device) == 1.0 else model)
         used, seconds = peak(timed[0], b, steps=4)
         return None if used > 1 - headroom else b * T / seconds
@@ -447,7 +448,7 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, warn=print):
     return b, reason, timed[0] if timed else None
 
 
-def choose_micro_batch(model, optimizers, plan, step, asked, warn=print):
+def choose_micro_batch(model, optimizers, plan, step, asked):
     """(B, T, why: a line for the log or "", the model the finder timed or None): THE micro-batch (and on small
     GPUs seq_len) of a run, decided before DDP wraps the model. asked: an int, or None for auto (probed). Where
     step.fit it is fitted: on CUDA to the memory by the estimate (sm7x always, others when asked does not fit;
@@ -456,7 +457,7 @@ def choose_micro_batch(model, optimizers, plan, step, asked, warn=print):
     micro_batch, T, V, why, timed = asked, step.seq_len, step.config.vocab_size, "", None
     if asked is None:
         try:
-            micro_batch, why, timed = auto_micro_batch(model, optimizers, plan, step, warn=warn)
+            micro_batch, why, timed = auto_micro_batch(model, optimizers, plan, step)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
     elif step.fit and plan.device_type == "cuda" and (plan.fit_to_memory or training_bytes(
@@ -477,7 +478,7 @@ def choose_micro_batch(model, optimizers, plan, step, asked, warn=print):
         raise UserError(f"total_batch_size={total} is not a multiple of micro_batch_size x seq_len x "
                         f"world_size = {micro_batch} x {T} x {world} = {tokens}: {fix}")
     if plan.device_type == "cpu":
-        micro_batch, why = fit_cpu_ram(step, micro_batch, warn) or (micro_batch, why)
+        micro_batch, why = fit_cpu_ram(step, micro_batch) or (micro_batch, why)
     return micro_batch, T, why, timed
 
 
@@ -490,7 +491,7 @@ def available_ram():
         return None
 
 
-def fit_cpu_ram(step, micro_batch, warn=print):
+def fit_cpu_ram(step, micro_batch):
     """On CPU: (micro_batch, why) lowered to the largest that fits the free RAM by the estimate and keeps
     total_batch_size where step.fit, else None (warned with the one that fits where it does not fit)."""
     ram, T = available_ram(), step.seq_len
@@ -502,14 +503,14 @@ def fit_cpu_ram(step, micro_batch, warn=print):
     fitting = [b for b in range(1, micro_batch) if rows % b == 0 and need(b) <= ram]
     said = f"{micro_batch} x {T} needs ~{fmt_bytes(need(micro_batch))} of RAM by the estimate, {fmt_bytes(ram)} is free"
     if not fitting:
-        warn(f"warning: micro-batch {said}, and not even 1 x {T} fits: the run may be killed for memory; use "
-             "a smaller model or seq_len, or --activation_checkpointing=blocks")
+        warn0(f"micro-batch {said}, and not even 1 x {T} fits: the run may be killed for memory; use "
+              "a smaller model or seq_len, or --activation_checkpointing=blocks")
         return None
     b = max(fitting)
     how = f"{b} x {T} (~{fmt_bytes(need(b))}, grad_accum {rows // b} keeps total_batch_size {step.total_batch_size})"
     if step.fit:
         return b, f"micro-batch fitted to the free RAM: {said}; {how} (set micro_batch_size to choose yourself)"
-    warn(f"warning: micro-batch {said}: the run may be killed for memory; --micro_batch_size={b} fits: {how}")
+    warn0(f"micro-batch {said}: the run may be killed for memory; --micro_batch_size={b} fits: {how}")
     return None
 
 

@@ -1,13 +1,15 @@
-"""The optimizers of a GPT and THE optimizer step that the trainer, bench.py and the micro-batch probes run.
+"""The optimizers of a GPT and THE optimizer step that the trainer, bench.py and the micro-batch probes
+run.
 
     from gpt2train import optim
     optimizers = optim.build_optimizers(model, "muon", lr=6e-4, muon_lr=6e-3)   # [AdamW, Muon]
     loss = optim.accumulate_gradients(model, loader, grad_accum, plan, scaler)  # forward/backward
     stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss)
 
-AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the rest
-("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd): every param
-group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is an lr computed."""
+AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the
+rest ("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd):
+every param group's lr = its "base_lr" x the multiplier, in every optimizer; nowhere else is an lr
+computed."""
 import dataclasses
 import inspect
 import math
@@ -15,9 +17,11 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor, Replicate
 
 from gpt2train.fileio import UserError
+from gpt2train.logger import print0
 from gpt2train.precision import autocast
 
 OPTIMIZERS = ("adamw", "muon")
@@ -32,7 +36,8 @@ MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
 
 def ns_dtype_for(plan_dtype, device_type):
     """The dtype Muon's Newton-Schulz runs in on a plan: bf16 on bf16 plans; fp16 on CUDA fp16 plans
-    (sm7x/sm60 compute it natively; the input is normalized in fp32 first, so it stays in range); fp32 otherwise."""
+    (sm7x/sm60 compute it natively; the input is normalized in fp32 first, so it stays in range);
+    fp32 otherwise."""
     if plan_dtype == torch.bfloat16:
         return torch.bfloat16
     if plan_dtype == torch.float16 and device_type == "cuda":
@@ -46,8 +51,8 @@ def is_muon_param(name, p):
 
 
 def split_params(model, optimizer="adamw"):
-    """(muon, decay, no_decay): lists of (name, param), each trainable parameter in exactly one (the tied
-    wte/lm_head weight once, as named_parameters gives it). muon is empty for "adamw"."""
+    """(muon, decay, no_decay): lists of (name, param), each trainable parameter in exactly one (the
+    tied wte/lm_head weight once, as named_parameters gives it). muon is empty for "adamw"."""
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -59,8 +64,9 @@ def split_params(model, optimizer="adamw"):
 
 
 def zeropower(G, ns_dtype=torch.float32, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack of them
-    (n, A, B), each on its own (batched matmuls: one launch per product for the whole stack), in ns_dtype."""
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack of
+    them (n, A, B), each on its own (batched matmuls: one launch per product for the whole stack),
+    in ns_dtype."""
     X = G.float()
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)  # (n, 1, 1) or (1, 1)
     X = (X / norm.clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
@@ -86,11 +92,12 @@ def in_stack(X, i, n, tall):
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype (see ns_dtype_for), batched over
-    the matrices of a wide shape, the elementwise work done once over all of them (step_flat). Like fused
-    AdamW it takes found_inf (set by optimizer_step or the GradScaler): nonzero skips the step on
-    the device, weights and momentum left as they were, no host read."""
-    # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same update, own dtype
+    """torch.optim.Muon (kwargs as its) whose Newton-Schulz runs in ns_dtype (see ns_dtype_for),
+    batched over the matrices of a wide shape, the elementwise work done once over all of them
+    (step_flat). Like fused AdamW it takes found_inf (set by optimizer_step or the GradScaler):
+    nonzero skips the step on the device, weights and momentum left as they were, no host read."""
+    # torch.optim.Muon casts to bf16 inside step(), which fp16 GPUs and CPUs only emulate: same
+    # update, own dtype
 
     def __init__(self, params, ns_dtype=torch.float32, split=(), **kwargs):
         if not hasattr(torch.optim, "Muon"):
@@ -136,8 +143,9 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         return p.shape[0] // k, p.shape[1]
 
     def step_flat(self, group, params, skip, grad_scale):
-        """One update of matrices of one dtype, sorted by shape: each elementwise op runs once on a flat copy of
-        them all, Newton-Schulz once per stack of one wide shape (see orthogonalized). A few launches in all."""
+        """One update of matrices of one dtype, sorted by shape: each elementwise op runs once on a
+        flat copy of them all, Newton-Schulz once per stack of one wide shape (see orthogonalized).
+        A few launches in all."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
         sizes = [p.numel() for p in params]
@@ -161,10 +169,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         torch._foreach_copy_(params, [q.view(p.shape) for q, p in zip(P_new.split(sizes), params)])
 
     def orthogonalized(self, group, params, update):
-        """Newton-Schulz of update's matrices, batched per wide shape (A <= B): a tall shape (B, A) joins its wide
-        twin transposed, as NS(X^T) = NS(X)^T (c_fc (3072, 768) with c_proj (768, 3072)). update: (N,), params'
-        matrices in a row, sorted by matrix_shape (a split c_attn: three (C, C) rows-slices in a row, its flat
-        as it is). Yields ((A, B), the shape's slice of the flat, its (n, A, B) result)."""
+        """Newton-Schulz of update's matrices, batched per wide shape (A <= B): a tall shape (B, A)
+        joins its wide twin transposed, as NS(X^T) = NS(X)^T (c_fc (3072, 768) with c_proj (768,
+        3072)). update: (N,), params' matrices in a row, sorted by matrix_shape (a split c_attn:
+        three (C, C) rows-slices in a row, its flat as it is). Yields ((A, B), the shape's slice of
+        the flat, its (n, A, B) result)."""
         kinds, offset = {}, 0  # (A, B) -> [n, flat offset]: each shape's matrices side by side
         for p in params:
             kinds.setdefault(self.matrix_shape(p), [0, offset])[0] += self.split.get(id(p), 1)
@@ -198,10 +207,10 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
 
 
 def orthogonalize(update, ns_dtype, steps, coefficients, eps, k=1):
-    """zeropower of a whole matrix, or of its k row-slices each on its own (k=3: c_attn's q, k, v). Under FSDP
-    (a DTensor sharded by rows) each rank gathers the update once, orthogonalizes it whole (the same bits on
-    every rank) and keeps its own rows, instead of letting DTensor redistribute inside each of Newton-Schulz's
-    15 matmuls."""
+    """zeropower of a whole matrix, or of its k row-slices each on its own (k=3: c_attn's q, k, v).
+    Under FSDP (a DTensor sharded by rows) each rank gathers the update once, orthogonalizes it
+    whole (the same bits on every rank) and keeps its own rows, instead of letting DTensor
+    redistribute inside each of Newton-Schulz's 15 matmuls."""
     def ns(U):  # (A, B) -> (A, B)
         return zeropower(U.view(k, U.size(0) // k, U.size(1)), ns_dtype, steps, coefficients, eps).view(U.shape)
     if not isinstance(update, DTensor):
@@ -222,9 +231,10 @@ def adjusted_lr_ratio(adjust_lr_fn, shape):
 
 
 def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr_mult=1.0):
-    """AdamW's param groups, each with its "base_lr": the 2-D ones decayed (the embeddings at lr x embed_lr_mult:
-    under "adamw" a group of their own, after the matrices', when the multiplier is not 1), the 1-D ones
-    (biases, gains) not, at lr x scalar_lr_mult. Multipliers of 1: build-nanogpt's two groups."""
+    """AdamW's param groups, each with its "base_lr": the 2-D ones decayed (the embeddings at lr x
+    embed_lr_mult: under "adamw" a group of their own, after the matrices', when the multiplier is
+    not 1), the 1-D ones (biases, gains) not, at lr x scalar_lr_mult. Multipliers of 1:
+    build-nanogpt's two groups."""
     embed = [(n, p) for n, p in decay if n.startswith(("transformer.wte.", "transformer.wpe."))]
     rest = [(n, p) for n, p in decay if not n.startswith(("transformer.wte.", "transformer.wpe."))]
     if embed_lr_mult == 1.0 or not rest:
@@ -237,14 +247,14 @@ def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr
 
 def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
                      muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
-                     ns_dtype=torch.float32, fused=None, verbose=True, muon_split_qkv=MUON_SPLIT_QKV,
+                     ns_dtype=torch.float32, fused=None, muon_split_qkv=MUON_SPLIT_QKV,
                      embed_lr_mult=1.0, scalar_lr_mult=1.0, muon_scaling="match_rms_adamw"):
     """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
-    Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding / 1-D groups,
-    muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q, k, v (Muon.split).
-    muon_weight_decay=None means weight_decay; fused=None means fused AdamW on CUDA where torch has it.
-    muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is match_rms_adamw (dev/recipe.py measures
-    "original" against it)."""
+    Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding /
+    1-D groups, muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q,
+    k, v (Muon.split). muon_weight_decay=None means weight_decay; fused=None means fused AdamW on
+    CUDA where torch has it. muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is
+    match_rms_adamw (dev/recipe.py measures "original" against it)."""
     muon, decay, no_decay = split_params(model, optimizer)
     if fused is None:
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
@@ -256,13 +266,12 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
         qkv = [p for n, p in muon if muon_split_qkv and n.endswith("attn.c_attn.weight")]
         optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, split=qkv, lr=muon_lr,
                                weight_decay=wd, momentum=muon_momentum, adjust_lr_fn=muon_scaling))
-        if verbose:
-            print(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
-                  f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
-                  f"AdamW on {size(decay)} decayed and "
-                  f"{size(no_decay)} not, fused AdamW: {fused}")
-    elif verbose:
-        print(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
+        print0(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
+               f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
+               f"AdamW on {size(decay)} decayed and "
+               f"{size(no_decay)} not, fused AdamW: {fused}")
+    else:
+        print0(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
     return optimizers
 
 # -----------------------------------------------------------------------------
@@ -270,8 +279,9 @@ def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_l
 
 
 def lr_multiplier(step, cfg):
-    """Linear warmup to 1 over warmup_steps, then down to min_lr / max_lr at max_steps by cfg.lr_schedule:
-    cosine (build-nanogpt's), linear, or wsd (flat, then linear over the last cooldown_frac of the run)."""
+    """Linear warmup to 1 over warmup_steps, then down to min_lr / max_lr at max_steps by
+    cfg.lr_schedule: cosine (build-nanogpt's), linear, or wsd (flat, then linear over the last
+    cooldown_frac of the run)."""
     if not cfg.max_lr:
         return 0.0
     if step < cfg.warmup_steps:
@@ -284,20 +294,22 @@ def lr_multiplier(step, cfg):
 
 
 def cooldown_start(cfg):
-    """lr_schedule=wsd: the cooldown's first step (before it the lr is flat at max_lr, whatever max_steps is: a
-    checkpoint from before it continues with a larger max_steps exactly as a run planned that long); else None."""
+    """lr_schedule=wsd: the cooldown's first step (before it the lr is flat at max_lr, whatever
+    max_steps is: a checkpoint from before it continues with a larger max_steps exactly as a run
+    planned that long); else None."""
     if cfg.lr_schedule != "wsd":
         return None
     return max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))
 
 
 def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
-    """The line a resume says when max_steps grew past the `planned` max_steps of the checkpoint (at `step`,
-    ckpt_path): how the schedule goes on, AdamW's base lr from the last step to the next. Re-planned on the new
-    max_steps: wsd resumed before its cooldown goes on flat, exactly as a run planned that long (no jump); a
-    cosine or linear run stretches to the new end and wsd in or after its cooldown goes back to its flat lr, a
-    jump in one step, said with the ways around it (wsd's kept cooldown-start checkpoint, branch_path, or a new
-    run from the weights with its own warmup). None when max_steps did not grow."""
+    """The line a resume says when max_steps grew past the `planned` max_steps of the checkpoint (at
+    `step`, ckpt_path): how the schedule goes on, AdamW's base lr from the last step to the next.
+    Re-planned on the new max_steps: wsd resumed before its cooldown goes on flat, exactly as a run
+    planned that long (no jump); a cosine or linear run stretches to the new end and wsd in or after
+    its cooldown goes back to its flat lr, a jump in one step, said with the ways around it (wsd's
+    kept cooldown-start checkpoint, branch_path, or a new run from the weights with its own warmup).
+    None when max_steps did not grow."""
     if cfg.max_steps <= planned or step < 1 or not cfg.max_lr:
         return None
     old = dataclasses.replace(cfg, max_steps=planned)
@@ -328,8 +340,8 @@ def decay_fraction(step, cfg):
 
 
 def muon_momentum(step, cfg):
-    """Muon's momentum at step: MUON_MOMENTUM_START -> muon_momentum, linearly over muon_momentum_warmup steps
-    (0: muon_momentum throughout)."""
+    """Muon's momentum at step: MUON_MOMENTUM_START -> muon_momentum, linearly over
+    muon_momentum_warmup steps (0: muon_momentum throughout)."""
     if cfg.muon_momentum_warmup <= 0:
         return cfg.muon_momentum
     frac = min(step / cfg.muon_momentum_warmup, 1.0)
@@ -337,8 +349,9 @@ def muon_momentum(step, cfg):
 
 
 def lrs(optimizers):
-    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's (max_lr x the schedule;
-    its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times it), Muon's (muon_lr x the schedule)]."""
+    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's (max_lr x
+    the schedule; its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times it),
+    Muon's (muon_lr x the schedule)]."""
     out = []
     for opt in optimizers:
         group = opt.param_groups[0]
@@ -353,9 +366,9 @@ def lrs(optimizers):
 
 def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar=None):
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
-    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is read
-    before the previous one's backward is queued. Returns the mean loss (a tensor on the device).
-    bar (logger.micro_step_bar) is told of each micro-step done."""
+    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is
+    read before the previous one's backward is queued. Returns the mean loss (a tensor on the
+    device). bar (logger.micro_step_bar) is told of each micro-step done."""
     loss_accum = torch.zeros((), device=plan.device)
     x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
     for micro_step in range(grad_accum):
@@ -373,25 +386,49 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
     return loss_accum
 
 
+@torch.no_grad()
+def evaluate(model, loader, steps, plan, world_size=1, stop_now=lambda: False):
+    """The mean loss of model over `steps` batches from the start of loader's split, averaged over the
+    ranks; None when stop_now() (asked before each batch, alike on every rank) ends it early."""
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=plan.device)
+    for _ in range(steps):
+        if stop_now():
+            model.train()
+            return None
+        x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
+        with autocast(plan):
+            _, loss = model(x, y)
+        total += loss.float()
+    if world_size > 1:
+        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
+    model.train()
+    return total.item() / (steps * world_size)  # sync: once per eval
+
+
 class Stepped(NamedTuple):
     loss: float  # the step's mean loss
     norm: float  # the gradient norm before clipping
     applied: bool  # whether the update was applied
     flags: list  # the values of optimizer_step's flags, read in the same transfer
+    why: str = ""  # why the update was skipped: "inf/nan loss or gradients" or "outlier"; "" when applied
 
 
 def skips_on_device(optimizers, is_outlier):
     """Whether every update can be launched before the step's one host read, a non-finite step skipped
-    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused AdamW
-    and the outlier test decide on the host, after the read. With or without the GradScaler (fp16)."""
+    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused
+    AdamW and the outlier test decide on the host, after the read. With or without the GradScaler
+    (fp16)."""
     return is_outlier is None and all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers)
 
 
 def _update(optimizers, scaler, found_inf=None):
-    """Step every optimizer, then one loss-scale update (a no-op without the GradScaler, which backs off
-    when any optimizer's gradients held inf/nan). found_inf: a 0-d tensor, nonzero to skip, one for all
-    the optimizers (they take it as the GradScaler sets it). Never scaler.step: it judges each optimizer
-    on its own gradients, but the one clip over all of them spreads one's inf into the others' as 0 or nan."""
+    """Step every optimizer, then one loss-scale update (a no-op without the GradScaler, which backs
+    off when any optimizer's gradients held inf/nan). found_inf: a 0-d tensor, nonzero to skip, one
+    for all the optimizers (they take it as the GradScaler sets it). Never scaler.step: it judges
+    each optimizer on its own gradients, but the one clip over all of them spreads one's inf into
+    the others' as 0 or nan."""
     for opt in optimizers:
         if found_inf is not None:
             opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel; unscaled already
@@ -416,16 +453,16 @@ def set_lr(optimizers, scale, momentum=None):
 
 def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None,
                    momentum=None):
-    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr is
-    set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled (fp16),
-    one clip runs over all parameters, each optimizer steps, the loss scale is updated once. A step whose
-    loss or gradients hold inf/nan is skipped in every precision, by every optimizer together (the weights
-    never go non-finite; the clip would spread one optimizer's inf into the others' gradients);
-    is_outlier(loss, norm) -> True skips a finite step too (the loss scale is left as it is). flags: a
-    1-D tensor on the device (the ranks' stop requests) read with loss and norm. Where the optimizers
-    allow (skips_on_device) the update is launched before the read, so the device never waits for the
-    host. momentum: Muon's at this step (muon_momentum), None: as it is. Returns Stepped, read from the device
-    in one transfer."""
+    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr
+    is set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled
+    (fp16), one clip runs over all parameters, each optimizer steps, the loss scale is updated once.
+    A step whose loss or gradients hold inf/nan is skipped in every precision, by every optimizer
+    together (the weights never go non-finite; the clip would spread one optimizer's inf into the
+    others' gradients); is_outlier(loss, norm) -> True skips a finite step too (the loss scale is
+    left as it is). flags: a 1-D tensor on the device (the ranks' stop requests) read with loss and
+    norm. Where the optimizers allow (skips_on_device) the update is launched before the read, so
+    the device never waits for the host. momentum: Muon's at this step (muon_momentum), None: as it
+    is. Returns Stepped, read from the device in one transfer."""
     set_lr(optimizers, lr_scale, momentum)
     for opt in optimizers:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
@@ -439,7 +476,7 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
         found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
         _update(optimizers, scaler, found_inf)
     loss, norm, *flags = read.tolist()  # sync: the step's one host read
-    finite = math.isfinite(loss) and math.isfinite(norm)
+    finite = math.isfinite(loss) and math.isfinite(norm)  # decided here, once: the step's result says why
     apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if not on_device:
         if apply:
@@ -448,7 +485,10 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
             scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return Stepped(loss, norm, apply, flags)
+    why = "" if apply else "outlier"
+    if not finite:
+        why = "inf/nan loss or gradients"
+    return Stepped(loss, norm, apply, flags, why)
 
 
 class FixedBatch:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from gpt2train.fileio import UserError
+from gpt2train.logger import warn0
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)
@@ -405,7 +406,7 @@ class CompileWatch(logging.Handler):
         super().close()
 
 
-def compiles(step_model, micro_batch, seq_len, plan, warn=print):
+def compiles(step_model, micro_batch, seq_len, plan):
     """Compile now, with one forward/backward of step_model (compiled, maybe inside DDP: then dynamo
     splits the graph at DDP's buckets) on a (micro_batch, seq_len) batch whose inputs and targets are
     distinct tensors, as in training, so the first real step reuses this graph. A compiler failure (old
@@ -424,16 +425,16 @@ def compiles(step_model, micro_batch, seq_len, plan, warn=print):
         if is_oom(root) or isinstance(root, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(root):
             raise root from None
         torch._dynamo.reset()
-        warn(f"warning: torch.compile failed ({one_line(root)}); continuing without compile "
-             "(--compile=false skips the attempt)")
+        warn0(f"torch.compile failed ({one_line(root)}); continuing without compile "
+              "(--compile=false skips the attempt)")
         return False
     finally:
         for p in step_model.parameters():
             p.grad = None
     torch._dynamo.config.suppress_errors = True
     for why in graph_breaks():  # compiled, but in pieces: said once here, the run's later ones by CompileWatch
-        warn(f"warning: torch.compile: a graph break in the model ({why}): it runs as several graphs with eager "
-             "code between them")
+        warn0(f"torch.compile: a graph break in the model ({why}): it runs as several graphs with eager "
+              "code between them")
     return True
 
 

@@ -94,7 +94,7 @@ def tiny_model(seed=0, **shape):
 
 def adamw(model, lr=1e-3, weight_decay=0.1):
     """model's AdamW as the trainer builds it (optim.build_optimizers)."""
-    return optim.build_optimizers(model, "adamw", lr=lr, weight_decay=weight_decay, verbose=False)[0]
+    return optim.build_optimizers(model, "adamw", lr=lr, weight_decay=weight_decay)[0]
 
 
 def random_model(vocab_size=50304, seed=0):

@@ -81,7 +81,7 @@ def test_save_writes_what_resume_reads(saved, data_dir):
     assert ckpt["optimizer"]["state"] and ckpt["loader"]["pos"] > 0
 
 
-def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch):
+def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch, capsys):
     """A save that dies half-way (a full disk) leaves the previous checkpoint intact and no debris, and
     resume ignores what a killed machine leaves: a .tmp, a truncated checkpoint, a file of another name."""
     good = saved
@@ -109,8 +109,9 @@ def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch):
     torch.save({**ckpt, "step": 13}, tmp_path / "ckpt_best.pt")  # a copy the user made: not ours to resume
     data = open(good, "rb").read()
     open(tmp_path / "ckpt_000010.pt", "wb").write(data[:len(data) // 2])  # cut short
-    warnings = []
-    assert checkpoint.latest_checkpoint(str(tmp_path), warn=warnings.append)[0] == path
+    capsys.readouterr()
+    assert checkpoint.latest_checkpoint(str(tmp_path))[0] == path
+    warnings = capsys.readouterr().out.splitlines()
     assert len(warnings) == 1 and "skipping " + str(tmp_path / "ckpt_000010.pt") in warnings[0]
 
 
@@ -178,22 +179,22 @@ def test_finite_state_finds_a_non_finite_weight_or_optimizer_value(data_dir):
 # THE resume decision: resume_overrides returns what the checkpoint fixes
 
 
-def test_resume_overrides_returns_what_the_checkpoint_fixes(saved, data_dir, tmp_path):
+def test_resume_overrides_returns_what_the_checkpoint_fixes(saved, data_dir, tmp_path, capsys):
     out = run_dir(tmp_path, saved, "ckpt_000008.pt")
     cfg, given = parse_args(tiny_args(data_dir, out, resume="true", max_steps=20, max_lr=0.5, seed=7))
-    said = []
-    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given, say=said.append)
+    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given)
+    said = capsys.readouterr().out.splitlines()
     assert ckpt["path"] == os.path.join(out, "ckpt_000008.pt") and ckpt["step"] == 8
     assert overrides == TINY_RUN  # max_steps (a safe key) is not among them: the user's 20 stays
     assert len(said) == 1 and said[0].startswith("note: resuming keeps the checkpoint's max_lr=0.01 (not 0.5), "
                                                  "seed=0 (not 7): they would change the run")
     assert (cfg.max_lr, cfg.seed, cfg.max_steps) == (0.5, 7, 20)  # returned, not written into the Config
-    said.clear()
     cfg, given = parse_args(tiny_args(data_dir, out, resume="auto", max_steps=20))
-    assert checkpoint.resume_overrides(out, cfg, given, say=said.append)[1] == TINY_RUN and said == []  # no change
+    assert checkpoint.resume_overrides(out, cfg, given)[1] == TINY_RUN
+    assert capsys.readouterr().out.splitlines() == []  # no change
 
 
-def test_a_checkpoint_from_before_a_key_resumes_with_what_it_ran(saved, data_dir, tmp_path):
+def test_a_checkpoint_from_before_a_key_resumes_with_what_it_ran(saved, data_dir, tmp_path, capsys):
     """muon_split_qkv's default became True (issue 33's ablation); a checkpoint written before the key existed ran
     Muon on c_attn whole, and resumes so, saying so."""
     out = run_dir(tmp_path, saved)
@@ -201,8 +202,9 @@ def test_a_checkpoint_from_before_a_key_resumes_with_what_it_ran(saved, data_dir
     del ckpt["config"]["muon_split_qkv"]
     torch.save(ckpt, os.path.join(out, "ckpt_000008.pt"))
     cfg, given = parse_args(tiny_args(data_dir, out, resume="true"))
-    said = []
-    overrides = checkpoint.resume_overrides(out, cfg, given, say=said.append)[1]
+    capsys.readouterr()
+    overrides = checkpoint.resume_overrides(out, cfg, given)[1]
+    said = capsys.readouterr().out.splitlines()
     assert cfg.muon_split_qkv is True and overrides == dict(TINY_RUN, muon_split_qkv=False)
     assert said == ["note: resuming keeps the checkpoint's muon_split_qkv=False (not True): they would change the run; "
                     "to change them start a new run in another out_dir"]
@@ -211,7 +213,7 @@ def test_a_checkpoint_from_before_a_key_resumes_with_what_it_ran(saved, data_dir
 def test_resume_overrides_keep_the_checkpoints_model_when_the_user_set_none(saved, data_dir, tmp_path):
     out = run_dir(tmp_path, saved, "ckpt_000008.pt")
     cfg, given = parse_args([f"--out_dir={out}", f"--data_dir={data_dir}", "--resume=true"])  # n_layer: default 12
-    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given, say=lambda line: None)
+    ckpt, overrides = checkpoint.resume_overrides(out, cfg, given)
     assert ckpt["model_args"]["n_layer"] == 1 and "n_layer" not in overrides  # the model is built from model_args
     assert overrides["total_batch_size"] == 64 and cfg.total_batch_size == 524288
 
@@ -242,12 +244,12 @@ def test_resume_overrides_refuse_what_the_checkpoint_cannot_continue(saved, data
         checkpoint.resume_overrides(out, cfg, given)
 
 
-def test_resume_overrides_refuse_an_out_dir_of_unreadable_checkpoints(tmp_path, data_dir):
+def test_resume_overrides_refuse_an_out_dir_of_unreadable_checkpoints(tmp_path, data_dir, capsys):
     (tmp_path / "ckpt_000004.pt").write_bytes(b"not a checkpoint")
     cfg, given = parse_args(tiny_args(data_dir, str(tmp_path), resume="auto"))
-    said = []
     with pytest.raises(UserError, match="holds ckpt_\\*.pt files but none is readable"):
-        checkpoint.resume_overrides(str(tmp_path), cfg, given, say=said.append)
+        checkpoint.resume_overrides(str(tmp_path), cfg, given)
+    said = capsys.readouterr().out.splitlines()
     assert len(said) == 1 and said[0].startswith(f"warning: skipping {tmp_path / 'ckpt_000004.pt'}")
 
 # -----------------------------------------------------------------------------

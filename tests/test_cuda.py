@@ -51,7 +51,7 @@ def counting_batch(B, T, vocab=64, seed=0):
 def test_each_plan_trains(name, plan):
     torch.manual_seed(0)
     model = GPT(SMALL).cuda()
-    optimizers = optim.build_optimizers(model, lr=3e-3, weight_decay=0.0, device_type="cuda", verbose=False)
+    optimizers = optim.build_optimizers(model, lr=3e-3, weight_decay=0.0, device_type="cuda")
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
     precision.set_tf32(plan.tf32)
     losses = []
@@ -165,7 +165,7 @@ def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, dat
     torch.manual_seed(0)
     model = GPT(SMALL).cuda()
     optimizers = optim.build_optimizers(model, optimizer, lr=1e-3, weight_decay=0.1, device_type="cuda",
-                                        ns_dtype=optim.ns_dtype_for(plan.dtype, "cuda"), verbose=False)  # fused AdamW
+                                        ns_dtype=optim.ns_dtype_for(plan.dtype, "cuda"))  # fused AdamW
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
     params = [p for p in model.parameters() if p.requires_grad]
     loader = TokenLoader(data_dir, "train", 4, 64, vocab_size=SMALL.vocab_size)  # the toy shards: vocab 64
@@ -182,12 +182,12 @@ def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
     plan = precision.make_plan("cuda:0")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)).cuda()
-    optimizers = optim.build_optimizers(model, lr=1e-3, weight_decay=0.1, device_type="cuda", verbose=False)
+    optimizers = optim.build_optimizers(model, lr=1e-3, weight_decay=0.1, device_type="cuda")
     compiled_at = []
 
-    def compiles(step_model, b, seq_len, plan, warn=print):
+    def compiles(step_model, b, seq_len, plan):
         compiled_at.append(b)
-        return precision.compiles(step_model, b, seq_len, plan, warn)
+        return precision.compiles(step_model, b, seq_len, plan)
     monkeypatch.setattr(memory, "compiles", compiles)  # the finder's own name for precision.compiles
     step = memory.Step(model.config, 256, 256 * 64, dtype=plan.dtype, loss_impl="auto",  # 64 rows: at most 64
                        activation_checkpointing=model.activation_checkpointing)

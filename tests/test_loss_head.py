@@ -6,9 +6,11 @@ loss and gradients of F.cross_entropy on the whole logits. A graph that falls ba
 
     python -m pytest -q tests/test_loss_head.py
 """
+import io
 import json
 import os
 from collections import Counter
+from contextlib import redirect_stdout
 
 import pytest
 import torch
@@ -42,7 +44,9 @@ def trainer_model(plan, impl):
     raw = GPT(CONFIG)
     memory.set_loss_head(raw, plan, B, T, impl)
     compiled = precision.compile_model(raw, plan)
-    assert compiled is not raw and precision.compiles(compiled, B, T, plan, warn=pytest.fail)
+    with redirect_stdout(io.StringIO()) as said:
+        assert compiled is not raw and precision.compiles(compiled, B, T, plan)
+    assert "warning" not in said.getvalue(), said.getvalue()  # no compiler failure, no graph break
     return raw, compiled
 
 

@@ -16,6 +16,7 @@ import os
 import pytest
 
 from gpt2train import config
+from gpt2train import guard
 import hellaswag
 import sample
 import train_gpt2
@@ -61,8 +62,8 @@ def test_divergence_advice_never_says_set_grad_clip_when_it_is_set(data_dir, tmp
     err = one_line(capsys.readouterr().err)
     assert err.startswith("error: the run diverged") and "lower grad_clip (e.g. 0.5)" in err
     assert "set grad_clip" not in err
-    assert train_gpt2.remedy(Config(grad_clip=0.0)) == "lower max_lr or set grad_clip=1.0 and start again"
-    assert train_gpt2.remedy(Config(grad_clip=1.0, optimizer="muon")) == \
+    assert guard.remedy(Config(grad_clip=0.0)) == "lower max_lr or set grad_clip=1.0 and start again"
+    assert guard.remedy(Config(grad_clip=1.0, optimizer="muon")) == \
         "lower max_lr and muon_lr or lower grad_clip (e.g. 0.5) and start again"
 
 # -----------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_reci
         choose_micro_batch(model, [optimizer], make_plan("cpu"), shape(1000), 8)
 
 
-def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(monkeypatch):
+def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(monkeypatch, capsys):
     """Issue 31: on a 23 GB machine the 124M config's 64 x 1024 step (~60 GB by our own estimate) was never
     warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
     Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
@@ -209,20 +210,24 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     from model import GPT, GPTConfig
     from gpt2train.precision import make_plan
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
-    plan, said = make_plan("cpu"), []
+    plan = make_plan("cpu")
     step = memory.Step(model.config, 1024, 524288, device_type="cpu")
     need = lambda b: memory.training_bytes_estimate(step, b)  # noqa: E731
     ram = sum(need(8).values()) + 1  # 8 x 1024 fits, 16 x 1024 does not
     monkeypatch.setattr(memory, "available_ram", lambda: ram)
-    B, T, why, _ = memory.choose_micro_batch(model, [], plan, step, 64, warn=said.append)
+    capsys.readouterr()
+    B, T, why, _ = memory.choose_micro_batch(model, [], plan, step, 64)
+    said = capsys.readouterr().out.splitlines()
     assert (B, T) == (8, 1024) and why.startswith("micro-batch fitted to the free RAM: 64 x 1024 needs ~") and not said
     assert "8 x 1024 (~" in why and "grad_accum 64 keeps total_batch_size 524288" in why
     flag = dataclasses.replace(step, fit=False, divide=False)  # set on the command line
-    B, _, why, _ = memory.choose_micro_batch(model, [], plan, flag, 64, warn=said.append)
+    B, _, why, _ = memory.choose_micro_batch(model, [], plan, flag, 64)
+    said = capsys.readouterr().out.splitlines()
     assert B == 64 and why == "" and len(said) == 1
     assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
     monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
-    assert memory.choose_micro_batch(model, [], plan, step, 64, warn=said.append)[0] == 64
+    assert memory.choose_micro_batch(model, [], plan, step, 64)[0] == 64
+    assert capsys.readouterr().out.splitlines() == []
     line = precision.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
     assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line
 
@@ -296,8 +301,9 @@ def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "ckpts"
     bad.mkdir()
     (bad / "ckpt_000004.pt").write_bytes(b"PK\x03\x04" + b"x" * 300)  # a zip's magic, then nothing a zip holds
-    warnings = []
-    checkpoint.latest_checkpoint(str(bad), warn=warnings.append)
+    capsys.readouterr()
+    checkpoint.latest_checkpoint(str(bad))
+    warnings = capsys.readouterr().out.splitlines()
     why = warnings[0].split("not a readable checkpoint (RuntimeError: ", 1)[1]
     assert why.startswith("PytorchStreamReader failed reading zip archive") and why.endswith(" ...)"), why
     words = why[:-len(" ...)")].split()  # torch's words up to a whole one: never "This is an interna"

@@ -72,7 +72,7 @@ def test_muon_split_by_name():
     assert all(p.dim() == 1 for _, p in no_decay) and "transformer.ln_f.bias" in dict(no_decay)
     every = [p for _, p in muon + decay + no_decay]
     assert len(every) == len({id(p) for p in every}) == len(list(model.parameters()))
-    adamw, muon_opt = optim.build_optimizers(model, "muon", lr=1e-3, muon_lr=2e-3, muon_momentum=0.9, verbose=False)
+    adamw, muon_opt = optim.build_optimizers(model, "muon", lr=1e-3, muon_lr=2e-3, muon_momentum=0.9)
     assert isinstance(muon_opt, torch.optim.Muon)
     assert muon_opt.param_groups[0]["param_names"] == [n for n, _ in muon]  # states keyed by name in its state_dict
     assert muon_opt.param_groups[0]["momentum"] == 0.9 and muon_opt.param_groups[0]["base_lr"] == 2e-3
@@ -87,7 +87,7 @@ def test_muon_split_by_name():
 
 def test_muon_trains_and_beats_nothing():
     model = tiny_model(n_layer=2)
-    losses = train(model, optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=1e-2, verbose=False), 40)
+    losses = train(model, optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=1e-2), 40)
     assert losses[-1] < 0.5 * losses[0], losses[::8]
 
 
@@ -111,8 +111,8 @@ def test_batched_muon_equals_one_matrix_at_a_time(ns_dtype, tol):
     """The stacked step (same-shape matrices in one batched Newton-Schulz) against the per-matrix update (the
     previous code, kept for FSDP): the same weights and momentum after 3 steps, within the dtype's rounding."""
     a, b = tiny_model(n_layer=2), tiny_model(n_layer=2)
-    opt_a = optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
-    opt_b = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype, verbose=False)
+    opt_a = optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype)
+    opt_b = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, ns_dtype=ns_dtype)
     opt_b[1]._step_supports_amp_scaling = False  # the one-matrix path
     assert len({p.shape for p in opt_a[1].param_groups[0]["params"]}) < len(opt_a[1].param_groups[0]["params"])
     train(a, opt_a, 3)
@@ -145,7 +145,7 @@ def test_newton_schulz_runs_once_per_wide_shape():
     Split (the default), c_attn's q, k, v join attn.c_proj's (C, C): 2 stacks."""
     for split, shapes in ((False, [(2, 32, 32), (2, 32, 96), (4, 32, 128)]), (True, [(4, 32, 128), (8, 32, 32)])):
         model = tiny_model(n_layer=2)
-        opts = optim.build_optimizers(model, "muon", muon_split_qkv=split, verbose=False)
+        opts = optim.build_optimizers(model, "muon", muon_split_qkv=split)
         x, y = batch()
         model(x, y)[1].backward()
         with MatmulShapes() as seen:
@@ -176,7 +176,7 @@ def test_newton_schulz_runs_in_the_plans_dtype(plan_dtype, device_type, expected
     ns_dtype = optim.ns_dtype_for(plan_dtype, device_type)
     assert ns_dtype == expected
     model = tiny_model(n_layer=2)
-    opts = optim.build_optimizers(model, "muon", ns_dtype=ns_dtype, verbose=False)
+    opts = optim.build_optimizers(model, "muon", ns_dtype=ns_dtype)
     x, y = batch()
     model(x, y)[1].backward()
     before = [p.clone() for p in model.parameters()]
@@ -204,8 +204,8 @@ def test_grad_scaler_with_two_optimizers():
     and an inf in the Muon matrices' gradients skips Muon's step and halves the scale."""
     a, b = tiny_model(n_layer=2), tiny_model(n_layer=2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    train(a, optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2, verbose=False), 3)
-    opts = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2, verbose=False)
+    train(a, optim.build_optimizers(a, "muon", lr=1e-2, muon_lr=1e-2), 3)
+    opts = optim.build_optimizers(b, "muon", lr=1e-2, muon_lr=1e-2)
     train(b, opts, 3, scaler=scaler)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
@@ -222,13 +222,13 @@ def test_grad_scaler_with_two_optimizers():
 
 def test_resume_from_state_dicts_is_bit_exact():
     a = tiny_model(n_layer=2)
-    opts = optim.build_optimizers(a, "muon", lr=1e-2, verbose=False)
+    opts = optim.build_optimizers(a, "muon", lr=1e-2)
     train(a, opts, 2)
     saved = copy.deepcopy((a.state_dict(), [o.state_dict() for o in opts]))  # state_dict() holds live tensors
     train(a, opts, 2, start=2)
     b = tiny_model(5, n_layer=2)
     b.load_state_dict(saved[0])
-    opts_b = optim.build_optimizers(b, "muon", lr=1e-2, verbose=False)
+    opts_b = optim.build_optimizers(b, "muon", lr=1e-2)
     for o, s in zip(opts_b, saved[1]):
         o.load_state_dict(s)
     train(b, opts_b, 2, start=2)
@@ -239,7 +239,7 @@ def test_resume_from_state_dicts_is_bit_exact():
 def test_torch_without_muon_is_one_line(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon")
     with pytest.raises(UserError, match=r"torch >= 2\.9"):
-        optim.build_optimizers(tiny_model(n_layer=2), "muon", verbose=False)
+        optim.build_optimizers(tiny_model(n_layer=2), "muon")
 
 
 def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
@@ -249,7 +249,7 @@ def test_grad_scaler_decides_per_optimizer_so_the_trainer_skips_both():
     inf), as the trainer must do."""
     def nan_in_wte():
         model = tiny_model(n_layer=2)
-        opts = optim.build_optimizers(model, "muon", verbose=False)
+        opts = optim.build_optimizers(model, "muon")
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         x, y = batch()
         scaler.scale(model(x, y)[1]).backward()
@@ -278,7 +278,7 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
     """steps optimizer steps on fixed data, the gradients made inf at the steps in poison. on_device
     False forces the host path (an outlier test that never fires). Returns (model, [Stepped])."""
     model = tiny_model()
-    opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = [p for p in model.parameters()]
     assert optim.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
@@ -353,7 +353,7 @@ def test_one_host_read_per_step(precision_name, optimizer):
     (loss and norm in one transfer); nothing else is read, the GradScaler's step of Muon included."""
     plan = precision.make_plan("cpu", precision_name)
     model = tiny_model()
-    opts = optim.build_optimizers(model, optimizer, lr=1e-3, fused=True, verbose=False)
+    opts = optim.build_optimizers(model, optimizer, lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     params = list(model.parameters())
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -377,7 +377,7 @@ def test_an_inf_in_adamw_alone_skips_muon_too_under_the_grad_scaler(fused, grad_
     fused False: the host path (non-fused AdamW cannot skip on the device)."""
     plan = precision.make_plan("cpu", "fp16")
     model = tiny_model()
-    opts = optim.build_optimizers(model, "muon", lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+    opts = optim.build_optimizers(model, "muon", lr=1e-2, weight_decay=0.1, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=plan.grad_scaler)
     params = list(model.parameters())
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -436,7 +436,7 @@ def test_fp16_unscales_before_clipping(data_dir):
     fp16_backward(model, scaler, data_dir)
     true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / scaler.get_scale()
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = adamw_step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
+    _, norm, applied, *_ = adamw_step(model, optimizer, scaler, torch.tensor(1.0), grad_clip=1e-3)
     assert applied and norm == pytest.approx(true_norm, rel=1e-4)  # the norm of the real gradients, not the scaled ones
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert scaler.get_scale() == 65536.0
@@ -449,7 +449,7 @@ def test_fp16_inf_step_is_skipped(data_dir):
     fp16_backward(model, scaler, data_dir)
     model.lm_head.weight.grad[3, 5] = float("inf")  # an fp16 overflow
     before = copy.deepcopy(model.state_dict())
-    _, norm, applied, _ = adamw_step(model, optimizer, scaler, torch.tensor(1.0))
+    _, norm, applied, *_ = adamw_step(model, optimizer, scaler, torch.tensor(1.0))
     assert not math.isfinite(norm) and not applied
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # step skipped
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
@@ -473,7 +473,7 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     else:
         loss = loss * float("inf")
     before = copy.deepcopy(model.state_dict())
-    loss, norm, applied, _ = adamw_step(model, optimizer, scaler, loss)
+    loss, norm, applied, *_ = adamw_step(model, optimizer, scaler, loss)
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
@@ -514,7 +514,7 @@ def test_split_qkv_is_torch_muon_on_three_separate_matrices(batched):
     (each its own Newton-Schulz and lr ratio), in the batched step (the slices join attn.c_proj's stack) and in
     the one-matrix step (FSDP's)."""
     model = tiny_model(n_layer=1)
-    (_, muon) = optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=2e-2, muon_split_qkv=True, verbose=False)
+    (_, muon) = optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=2e-2, muon_split_qkv=True)
     muon._step_supports_amp_scaling = batched
     attn = model.transformer.h[0].attn
     C = attn.c_proj.weight.size(0)
@@ -534,7 +534,7 @@ def test_split_qkv_is_torch_muon_on_three_separate_matrices(batched):
     torch.testing.assert_close(attn.c_attn.weight.detach(), torch.cat(ref[:3]).detach(), rtol=0, atol=1e-5 * moved)
     torch.testing.assert_close(attn.c_proj.weight.detach(), ref[3].detach(), rtol=0, atol=1e-5 * moved)
     whole = tiny_model(n_layer=1)  # without the split: another update (the key does something)
-    (_, m2) = optim.build_optimizers(whole, "muon", lr=1e-2, muon_lr=2e-2, verbose=False)
+    (_, m2) = optim.build_optimizers(whole, "muon", lr=1e-2, muon_lr=2e-2)
     g = torch.Generator().manual_seed(0)
     for p in m2.param_groups[0]["params"]:
         p.grad = torch.randn(p.shape, generator=g)
@@ -547,7 +547,7 @@ def test_split_qkv_joins_the_square_stack():
     """With the split, c_attn's three slices are orthogonalized in the same batched Newton-Schulz as attn.c_proj:
     one (n, C, C) stack of 3 x layers + layers matrices, no (C, 3C) stack."""
     model = tiny_model(n_layer=2)
-    (_, muon) = optim.build_optimizers(model, "muon", muon_split_qkv=True, verbose=False)
+    (_, muon) = optim.build_optimizers(model, "muon", muon_split_qkv=True)
     for p in muon.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     with MatmulShapes() as seen:
@@ -564,7 +564,7 @@ def test_momentum_warmup_from_085():
     assert optim.muon_momentum(300, cfg) == optim.muon_momentum(5000, cfg) == pytest.approx(0.95)
     assert optim.muon_momentum(7, Config(muon_momentum=0.9)) == 0.9  # 0: off, as before
     model = tiny_model()
-    opts = optim.build_optimizers(model, "muon", verbose=False)
+    opts = optim.build_optimizers(model, "muon")
     loss = model(*batch())[1]
     loss.backward()
     optim.optimizer_step(opts, torch.amp.GradScaler("cpu", enabled=False), list(model.parameters()), 1.0, 1.0,
@@ -577,7 +577,7 @@ def test_embedding_and_scalar_lrs_are_base_lrs(optimizer):
     """embed_lr_mult on wte (lm_head) and wpe, scalar_lr_mult on the 1-D tensors, the matrices (under adamw) at lr;
     each parameter in one group; multipliers of 1 keep build-nanogpt's two groups (old checkpoints load)."""
     model = tiny_model(n_layer=2)
-    opt = optim.build_optimizers(model, optimizer, lr=1e-3, embed_lr_mult=3.0, scalar_lr_mult=2.0, verbose=False)[0]
+    opt = optim.build_optimizers(model, optimizer, lr=1e-3, embed_lr_mult=3.0, scalar_lr_mult=2.0)[0]
     base = {n: g["base_lr"] for g in opt.param_groups for n in g["param_names"]}
     names = dict(model.named_parameters())
     assert len(base) == sum(len(g["params"]) for g in opt.param_groups)
@@ -586,7 +586,7 @@ def test_embedding_and_scalar_lrs_are_base_lrs(optimizer):
             else 1e-3
         assert lr == pytest.approx(want, rel=1e-12), n
     assert [g["weight_decay"] for g in opt.param_groups] == ([0.1, 0.1, 0.0] if optimizer == "adamw" else [0.1, 0.0])
-    plain = optim.build_optimizers(model, optimizer, lr=1e-3, verbose=False)[0]
+    plain = optim.build_optimizers(model, optimizer, lr=1e-3)[0]
     assert [g["base_lr"] for g in plain.param_groups] == [1e-3, 1e-3]
 
 

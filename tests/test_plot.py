@@ -111,12 +111,12 @@ def test_without_matplotlib_the_cli_says_how_to_install(tmp_path, capsys, no_mat
     assert not os.path.exists(os.path.join(a, "curves.png"))
 
 
-def test_refresh_is_silent_without_matplotlib(tmp_path, no_matplotlib):
+def test_refresh_is_silent_without_matplotlib(tmp_path, no_matplotlib, capsys):
     """Issue 31: the trainer's "matplotlib not installed" note showed in the README's first run (matplotlib is
     optional: requirements-dev.txt); without it the trainer writes no curves.png and says nothing."""
     a = make_run(tmp_path / "a", synthetic_rows())
-    notes = []
-    assert plot.refresh(a, notes.append) is False
+    assert plot.refresh(a) is False
+    notes = capsys.readouterr().out.splitlines()
     assert notes == [] and not os.path.exists(os.path.join(a, "curves.png"))
 
 
@@ -130,13 +130,15 @@ def test_the_train_curve_is_labelled_smoothed_only_when_it_is():
     assert plot.train_lines([]) == []
 
 
-def test_refresh_survives_a_broken_run_dir(tmp_path, monkeypatch):
+def test_refresh_survives_a_broken_run_dir(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(plot, "_noted", False)
     a = make_run(tmp_path / "a", synthetic_rows())
-    assert plot.refresh(a, print) is True and os.path.isfile(os.path.join(a, "curves.png"))
+    assert plot.refresh(a) is True and os.path.isfile(os.path.join(a, "curves.png"))
     with open(os.path.join(a, "config.json"), "w") as f:
         f.write("{broken")
-    notes = []
-    assert plot.refresh(a, notes.append) is False and len(notes) == 1 and "config.json" in notes[0]
+    capsys.readouterr()
+    assert plot.refresh(a) is False
+    notes = capsys.readouterr().out.splitlines()
+    assert len(notes) == 1 and "config.json" in notes[0]
     assert os.path.getsize(os.path.join(a, "curves.png")) > 0  # the previous picture is kept

@@ -89,7 +89,7 @@ def test_checkpoint_from_before_the_named_format_resumes(runs, tmp_path):
     ckpt = load_ckpt(os.path.join(one, "ckpt_000002.pt"))
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
-    optimizer = optim.build_optimizers(model, "adamw", lr=1e-3, weight_decay=0.1, verbose=False)[0]  # the trainer's
+    optimizer = optim.build_optimizers(model, "adamw", lr=1e-3, weight_decay=0.1)[0]  # the trainer's
     load_optimizer_state(model, [optimizer], ckpt["optimizer"])
     ckpt["optimizer"] = optimizer.state_dict()
     assert isinstance(next(iter(ckpt["optimizer"]["state"])), int)
