@@ -17,7 +17,9 @@ import sys
 
 from gpt2train.checkpoint import newest_checkpoint
 from gpt2train.fileio import UserError, fail, replacing_dir
-from model import GPT, GPT2_VOCAB_SIZE
+import torch
+
+from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB_SIZE
 
 # what save_pretrained and write_hf_tokenizer put in a directory: an OUT_DIR holding only these is a
 # previous export and may be replaced; anything else (a run's checkpoints, say) is never deleted
@@ -39,8 +41,30 @@ def load_for_export(src):
     return model
 
 
+def save_hf(model, out_dir):
+    """Write model as a directory that GPT2LMHeadModel.from_pretrained loads with the same logits; a
+    padded vocab (50304) is cropped back to the 50257 real tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    c = model.config
+    vocab = min(c.vocab_size, GPT2_VOCAB_SIZE)
+    hf_config = GPT2Config(vocab_size=vocab, n_positions=c.block_size, n_embd=c.n_embd,
+                           n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+    hf = GPT2LMHeadModel(hf_config)
+    sd_hf = hf.state_dict()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k.endswith(CONV1D_WEIGHTS):  # HF's Conv1D stores (in, out)
+                v = v.t()
+            if k in ("transformer.wte.weight", "lm_head.weight"):
+                v = v[:vocab]
+            sd_hf[k].copy_(v)
+    hf.save_pretrained(out_dir)
+
+
 def export(src, out_dir):
-    """Write out_dir: save_pretrained weights plus GPT-2's tokenizer files, built in a new directory
+    """Write out_dir: save_hf's weights plus GPT-2's tokenizer files, built in a new directory
     beside it and swapped in only when complete."""
     from gpt2train.tokenizer import write_hf_tokenizer
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -55,7 +79,7 @@ def export(src, out_dir):
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with replacing_dir(out_dir) as tmp:
         try:
-            model.save_pretrained(tmp)
+            save_hf(model, tmp)
         # safetensors reports a failed write (a full disk) as its own error type
         except Exception as e:
             if type(e).__name__ != "SafetensorError":

@@ -6,7 +6,6 @@ The GPT-2 model, in one file.
     model = GPT.load("gpt2")            # OpenAI weights (hub), a save_pretrained dir or a ckpt_*.pt
     logits, _ = model(idx)              # idx: (B, T) int64 -> logits (B, T, vocab)
     _, loss = model(idx, targets)       # the chunked cross-entropy: the loss, no logits
-    model.save_pretrained("out/hf")     # loads back with GPT2LMHeadModel.from_pretrained
 
 GPTConfig is the architecture a checkpoint saves; how a run executes the model is set apart from it
 (GPT(config, loss_impl="full") or model.set_runtime(...)): loss_impl="full" returns the logits with
@@ -34,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt2train.checkpoint import check_config, read_checkpoint
 from gpt2train.fileio import UserError, fail
+from gpt2train.logger import print0
 from gpt2train.loss import CE_CHUNK_ROWS, LOSS_IMPLS, loss_head
 
 GPT2_VOCAB_SIZE = 50257  # real tokens; a padded vocab (50304) has extra rows that are never targets
@@ -262,7 +262,7 @@ class GPT(nn.Module):
     # Hugging Face / OpenAI weights
 
     @classmethod
-    def load(cls, spec, config=None, verbose=True):
+    def load(cls, spec, config=None):
         """The one model loader of every script. spec: "scratch" (a fresh GPT(config)), a GPT-2 name
         (gpt2 .. gpt2-xl, from the hub on first use), a save_pretrained directory, or one of
         train_gpt2.py's checkpoints (ckpt_*.pt). Anything else is one UserError line."""
@@ -273,10 +273,10 @@ class GPT(nn.Module):
         if os.path.isdir(spec) and any(n.startswith("ckpt_") and n.endswith(".pt")
                                        for n in os.listdir(spec)):
             raise UserError(f"{spec} is a training run's out_dir: pass one of its ckpt_*.pt files")
-        return cls.from_pretrained(spec, verbose=verbose)
+        return cls.from_pretrained(spec)
 
     @classmethod
-    def from_pretrained(cls, name_or_path, verbose=True):
+    def from_pretrained(cls, name_or_path):
         """Load OpenAI's GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl; downloaded from the hub on
         first use) or any GPT-2 directory written by transformers' save_pretrained (offline)."""
         from transformers import GPT2LMHeadModel
@@ -284,11 +284,10 @@ class GPT(nn.Module):
             raise UserError(f"model {name_or_path!r} is not scratch, a GPT-2 name "
                             f"({', '.join(PRETRAINED)}), a directory written by save_pretrained or "
                             "a ckpt_*.pt file")
-        if verbose:
-            where = "disk"
-            if name_or_path in PRETRAINED:
-                where = "the Hugging Face hub (cached after the first download)"
-            print(f"loading GPT-2 weights {name_or_path!r} from {where}")
+        where = "disk"
+        if name_or_path in PRETRAINED:
+            where = "the Hugging Face hub (cached after the first download)"
+        print0(f"loading GPT-2 weights {name_or_path!r} from {where}")
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path)
         except OSError as e:  # offline, no cache, or a directory without weights
@@ -311,7 +310,7 @@ class GPT(nn.Module):
                             f"{sorted(set(sd) - set(sd_hf))[:3]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
-                if k.endswith(_CONV1D):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+                if k.endswith(CONV1D_WEIGHTS):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
                     v = v.t()
                 assert sd[k].shape == v.shape, \
                     f"shape mismatch for {k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
@@ -341,29 +340,8 @@ class GPT(nn.Module):
 
         return model
 
-    def save_pretrained(self, out_dir):
-        """Write a directory that GPT2LMHeadModel.from_pretrained loads with the same logits.
-        A padded vocab (50304) is cropped back to the 50257 real tokens."""
-        from transformers import GPT2Config, GPT2LMHeadModel
-        c = self.config
-        vocab = min(c.vocab_size, GPT2_VOCAB_SIZE)
-        hf_config = GPT2Config(vocab_size=vocab, n_positions=c.block_size, n_embd=c.n_embd,
-                               n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                               layer_norm_epsilon=1e-5, tie_word_embeddings=True)
-        hf = GPT2LMHeadModel(hf_config)
-        sd_hf = hf.state_dict()
-        with torch.no_grad():
-            for k, v in self.state_dict().items():
-                if k.endswith(_CONV1D):
-                    v = v.t()
-                if k in ("transformer.wte.weight", "lm_head.weight"):
-                    v = v[:vocab]
-                sd_hf[k].copy_(v)
-        hf.save_pretrained(out_dir)
 
-
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # -----------------------------------------------------------------------------
 # FLOPs (precision.py turns them into MFU against the GPU's peak)

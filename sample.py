@@ -112,7 +112,8 @@ def main(argv=None):
         if path != args.model:
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "
                 f"{path}")
-        model = GPT.load(path, verbose=False)
+        with redirect0(None):  # the text alone on stdout
+            model = GPT.load(path)
         if model.config.vocab_size < enc.n_vocab:
             raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than "
                             f"GPT-2's {enc.n_vocab} tokens")

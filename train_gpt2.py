@@ -227,7 +227,7 @@ def setup(cfg, given, env, lock):
 def place_model(cfg, given, ckpt, plan, env):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot
     do)."""
-    raw_model = load_model(cfg, given, ckpt, verbose=env.master)
+    raw_model = load_model(cfg, given, ckpt)
     raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing)  # the run's own
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under "
@@ -243,14 +243,14 @@ def place_model(cfg, given, ckpt, plan, env):
     return raw_model, off
 
 
-def load_model(cfg, given, ckpt, verbose):
+def load_model(cfg, given, ckpt):
     """The model to train: the checkpoint's, or fresh (the config's shape), OpenAI's or a
     save_pretrained dir (whose shape a shape key the user set must match)."""
     if ckpt is not None:
         return GPT.from_checkpoint(ckpt)
     config = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
                        n_head=cfg.n_head, n_embd=cfg.n_embd)
-    model = GPT.load(cfg.init_from, config=config, verbose=verbose)
+    model = GPT.load(cfg.init_from, config=config)
     check_shape(cfg, given, dataclasses.asdict(model.config))
     if cfg.zero_init_proj and cfg.init_from == "scratch":  # never a loaded model's weights
         model.zero_init_projections()

@@ -10,7 +10,7 @@ What is written follows the user's umask, whatever the writer made the temp with
         torch.save(ckpt, tmp)
     write_json("out/config.json", {"n_layer": 12})
     with replacing_dir("out/hf") as tmp:          # a whole directory: built aside, then swapped in
-        model.save_pretrained(tmp)
+        save_hf(model, tmp)                       # (export.py)
 
 UserError is here too, at the bottom of the import graph, so that every module can raise it, with
 the one exit-code convention of every script (fail) and the argparse parser that keeps to it:

@@ -120,7 +120,7 @@ def test_a_4096_row_fp16_chunk_gives_the_fp32_weight_gradient(monkeypatch):
 
 def test_hellaswag_on_gpu_equals_cpu(hf_dir, tmp_path):
     examples = hellaswag.load_examples(data_file=write_rows(tmp_path / "rows.jsonl", make_rows(24)))
-    model = GPT.load(hf_dir, verbose=False)
+    model = GPT.load(hf_dir)
     cpu = hellaswag.evaluate(model, examples, plan=precision.make_plan("cpu"), batch_size=8)
     gpu = hellaswag.evaluate(model.cuda(), examples, plan=precision.make_plan("cuda:0", "fp32"), batch_size=8)
     assert [r["pred"] for r in gpu["examples"]] == [r["pred"] for r in cpu["examples"]]
@@ -132,7 +132,7 @@ def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
     examples per row. fp32 (TF32 off): the predictions of the eager CPU run; the GPU's own plan
     (bf16, its SDPA kernel list): runs, compiles once, and mostly agrees."""
     examples = hellaswag.load_examples(data_file=write_rows(tmp_path / "rows.jsonl", make_rows(24)))
-    model = GPT.load(hf_dir, verbose=False)
+    model = GPT.load(hf_dir)
     cpu = hellaswag.evaluate(model, examples, plan=precision.make_plan("cpu"), batch_size=8)
     model.cuda()
     fp32 = dataclasses.replace(precision.make_plan("cuda:0", "fp32"), tf32=False)

@@ -199,17 +199,17 @@ def test_export_on_a_full_disk(error, tmp_path, monkeypatch, capsys):
     assert export_py.main([ckpt, out]) == 0
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
 
-    def dying_save_pretrained(self, tmp):
+    def dying_save_hf(model, tmp):
         open(os.path.join(tmp, "model.safetensors"), "wb").write(b"half")
         if error == "ENOSPC":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    monkeypatch.setattr(GPT, "save_pretrained", dying_save_pretrained)
+    monkeypatch.setattr(export_py, "save_hf", dying_save_hf)
     assert export_py.main([ckpt, out]) == 1
     line = one_line(capsys.readouterr().err)
     assert out in line and "No space left on device" in line
     monkeypatch.undo()
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # the previous export
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000010.pt", "hf"]  # no half-built directory beside it
-    loaded = GPT.load(out, verbose=False)
+    loaded = GPT.load(out)
     assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, random_model().transformer.h[0].mlp.c_fc.weight)

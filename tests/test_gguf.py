@@ -115,7 +115,7 @@ def hf_f32(runs):
 
 
 def newest_model(run):
-    return GPT.load(checkpoint.newest_checkpoint(run), verbose=False).eval()
+    return GPT.load(checkpoint.newest_checkpoint(run)).eval()
 
 
 def max_logit_diff(ours, hf):
@@ -214,7 +214,7 @@ def test_sources_checkpoint_run_folder_and_save_pretrained_dir(runs, hf_dir, tmp
     """A run folder exports its newest checkpoint; a save_pretrained directory goes through GPT.load like
     a checkpoint of the same weights: the files are byte for byte the same."""
     run, _ = runs["adamw"]
-    ckpt = save_ckpt(GPT.load(hf_dir, verbose=False), tmp_path / "hf.pt")
+    ckpt = save_ckpt(GPT.load(hf_dir), tmp_path / "hf.pt")
     for a, b in [(run, checkpoint.newest_checkpoint(run)), (hf_dir, ckpt)]:
         files = [str(tmp_path / name / "m.gguf") for name in ("a", "b")]  # the same file name: general.name
         for src, out in zip((a, b), files):

@@ -23,7 +23,7 @@ CPU = make_plan("cpu")
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    return GPT.from_pretrained(hf_dir, verbose=False).eval()
+    return GPT.from_pretrained(hf_dir).eval()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from conftest import adamw, make_hf_gpt2
 from gpt2train.fileio import UserError
 from gpt2train.loss import CE_CHUNK_ROWS
 import model as model_py
+from export import save_hf
 from model import GPT, GPTConfig, flops_per_token
 
 
@@ -26,7 +27,7 @@ def hf_logits(path, idx):
 @pytest.mark.parametrize("shape", [dict(n_layer=2, n_head=4, n_embd=64), dict(n_layer=3, n_head=3, n_embd=48)])
 def test_logits_match_hf(tmp_path, shape):
     path = make_hf_gpt2(str(tmp_path), n_positions=64, **shape)
-    model = GPT.from_pretrained(path, verbose=False).eval()
+    model = GPT.from_pretrained(path).eval()
     assert model.config.n_layer == shape["n_layer"] and model.config.n_embd == shape["n_embd"]
     idx = torch.randint(0, 50257, (3, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -37,7 +38,7 @@ def test_logits_match_hf(tmp_path, shape):
 
 
 def test_weight_tying_after_from_pretrained(hf_dir):
-    model = GPT.from_pretrained(hf_dir, verbose=False)
+    model = GPT.from_pretrained(hf_dir)
     assert model.lm_head.weight is model.transformer.wte.weight
     hf = GPT2LMHeadModel.from_pretrained(hf_dir)  # the shared tensor holds the file's embeddings (HF ties them too)
     assert torch.equal(model.lm_head.weight, hf.transformer.wte.weight)
@@ -45,20 +46,20 @@ def test_weight_tying_after_from_pretrained(hf_dir):
 
 def test_from_pretrained_bad_name():
     with pytest.raises(UserError, match="is not scratch, a GPT-2 name"):
-        GPT.from_pretrained("/no/such/dir", verbose=False)
+        GPT.from_pretrained("/no/such/dir")
 
 
 def test_export_round_trip_crops_padded_vocab(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
-    model.save_pretrained(str(tmp_path))
+    save_hf(model, str(tmp_path))
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         ours, _ = model(idx)
     ref = hf_logits(str(tmp_path), idx)
     assert ref.shape[-1] == 50257
     assert (ours[..., :50257] - ref).abs().max().item() < 1e-4
-    back = GPT.from_pretrained(str(tmp_path), verbose=False).eval()
+    back = GPT.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
         again, _ = back(idx)
     assert (again - ours[..., :50257]).abs().max().item() < 1e-5

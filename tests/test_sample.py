@@ -48,16 +48,17 @@ def test_greedy_equals_hf_generate(hf_random, capsys):
     assert code == 0
     assert out == enc.decode(prompt + ref) + "\n"  # greedy: one answer, so one sample, said in one line
     assert "note: --temperature 0 is greedy decoding, the same text every time: printing 1 sample, not 2" in err
-    model = GPT.load(hf_random, verbose=False)
+    model = GPT.load(hf_random)
     plan = precision.make_plan("cpu", "fp32")
     ours = list(sample.generate_tokens(model, prompt, 30, 0.0, None, None, plan))
     assert ours == ref
 
 
 def test_top_k_1_is_greedy_and_seeds_reproduce(hf_random, tmp_path, capsys):
-    model = GPT.from_pretrained(hf_random, verbose=False)  # and through one of our checkpoints this time
+    model = GPT.from_pretrained(hf_random)  # and through one of our checkpoints this time
     ckpt = str(tmp_path / "ckpt_000001.pt")
     torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, ckpt)
+    capsys.readouterr()  # from_pretrained's "loading GPT-2 weights" line
     common = ["--model", ckpt, "--prompt", PROMPT, "--max_new_tokens", "12", "--num_samples", "2"]
     greedy = run(capsys, *common, "--temperature", "0")[1]
     assert greedy.count(PROMPT) == 1 and "-" * 40 not in greedy  # one sample
