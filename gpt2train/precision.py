@@ -22,6 +22,7 @@ step is optim.py's; the memory estimate and the micro-batch finder are memory.py
 fileio only: every module may import it, it imports none of them.
 """
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -175,6 +176,22 @@ def synchronize(device):
         torch.cuda.synchronize(device)
     elif kind == "mps":
         torch.mps.synchronize()
+
+
+def free_memory(device_type):
+    """Give cached blocks back so that the next measurement starts clean."""
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def available_ram():
+    """Bytes of RAM free for a new process (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def set_tf32(on):
