@@ -37,7 +37,7 @@ class Step:
     optimizer: str = "adamw"  # muon: one state buffer for the blocks' matrices, not two
     activation_checkpointing: str = "none"  # none | blocks | every_other
     fsdp: bool = False  # the parameters, gradients and optimizer state sharded over world_size
-    loss_impl: str = "chunked"  # full | chunked; "auto" is weighed chunked (choose_loss_impl decides)
+    loss_impl: str = "chunked"  # full | chunked; "auto" is weighed chunked (choose_loss_impl)
     compiled: bool = False  # the model runs torch.compile'd (a compiled full head keeps less)
     ce_chunk_rows: int = CE_CHUNK_ROWS  # the chunked head's rows a chunk
     # what setup leaves to choose_micro_batch (the user's settings are kept)
@@ -47,12 +47,12 @@ class Step:
 
     @property
     def rows(self):
-        """Rows per rank per optimizer step (micro-batch x grad_accum); 0 where they do not divide."""
+        """Rows per rank per optimizer step (micro-batch x grad_accum), 0 where not dividing."""
         per_row = self.seq_len * self.world_size
         return 0 if self.total_batch_size % per_row else self.total_batch_size // per_row
 
 
-DEFAULT_MICRO_BATCH = Config.micro_batch_size  # micro_batch_size=auto off CUDA: the config's default
+DEFAULT_MICRO_BATCH = Config.micro_batch_size  # micro_batch_size=auto off CUDA
 
 # -----------------------------------------------------------------------------
 # memory: what a training step holds, estimated from the model's shape
@@ -86,7 +86,8 @@ def optimizer_state_tensors(optimizers):
 
 def checkpointed_layers(n_layer, activation_checkpointing):
     """How many blocks run under activation checkpointing (GPT.checkpointed says which)."""
-    return {"none": 0, "blocks": n_layer, "every_other": (n_layer + 1) // 2}[activation_checkpointing]
+    counts = {"none": 0, "blocks": n_layer, "every_other": (n_layer + 1) // 2}
+    return counts[activation_checkpointing]
 
 
 def activation_bytes_estimate(step, micro_batch):
@@ -216,7 +217,7 @@ def random_batch(micro_batch, seq_len, device, seed=1337):
     return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)  # (B, T), (B, T)
 
 
-FIT_HEADROOM = 0.15  # of the GPU's memory, left out of the fit: the allocator's cache, CUDA's context
+FIT_HEADROOM = 0.15  # of the GPU's memory left out of the fit: allocator cache, CUDA context
 LOSS_CHUNK_SHARE = 0.05  # of the GPU's memory for one chunk of the loss head's logits
 
 
@@ -394,7 +395,7 @@ def micro_batch_cap(step, budget, slack=4):
 
 def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, warn=print):
     """micro_batch_size=auto: (micro_batch, reason, the model the sizes were timed with or None),
-    probed on CUDA (the fastest of the largest that fit, the minimum over ranks), else the default."""
+    probed on CUDA (the fastest of the largest that fit, minimum over ranks), else the default."""
     T, world, total = step.seq_len, step.world_size, step.total_batch_size
     if plan.device_type != "cuda":
         b = DEFAULT_MICRO_BATCH
@@ -448,7 +449,8 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, warn=print):
     reason += f"; timed {'eager' if not timed or timed[0] is model else 'compiled'} ({note})"
     agreed = int(agree(b, "min", plan.device))
     if agreed != b:
-        b, reason = agreed, f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
+        reason = f"micro_batch {agreed}: the minimum over DDP ranks (this rank: {reason})"
+        b = agreed
     return b, reason, timed[0] if timed else None
 
 
