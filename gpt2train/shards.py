@@ -2,12 +2,14 @@
 fineweb.py's library: documents -> GPT-2 token shards with a manifest, resumable, verifiable.
 
     from gpt2train import shards
-    shards.build("data/mine", source=["a.txt", "notes/"], prefix="text", shard_size=10**6, val_fraction=0.01)
-    problems = shards.startup_problems("data/mine")     # [] when every shard matches manifest.json
-    shards.verify("data/mine")                          # every shard's sha256 against the manifest
+    shards.build("data/mine", source=["a.txt", "notes/"], prefix="text", shard_size=10**6,
+                 val_fraction=0.01)
+    problems = shards.startup_problems("data/mine")  # [] when every shard matches manifest.json
+    shards.verify("data/mine")  # every shard's sha256 against the manifest
 
-fineweb.py (the command a user runs) parses the flags and calls build() or verify(); data.py calls build()
-for --data and the quickstart's corpus. The format and the resume rules: fineweb.py's docstring.
+fineweb.py (the command a user runs) parses the flags and calls build() or verify(); data.py
+calls build() for --data and the quickstart's corpus. The format and the resume rules are in
+fineweb.py's docstring.
 """
 import dataclasses
 import bz2
@@ -52,14 +54,16 @@ def file_kind(path):
     """'txt', 'json' or 'parquet', from the name with any compression suffix removed."""
     stem, ext = os.path.splitext(path.lower())
     compression = None
-    if ext in (".gz", ".bz2", ".xz", ".zst"):  # .txt: the ones in COMPRESSIONS; json: whatever datasets reads
+    # .txt: the ones in COMPRESSIONS; json: whatever datasets reads
+    if ext in (".gz", ".bz2", ".xz", ".zst"):
         (stem, ext), compression = os.path.splitext(stem), ext
     if ext in TEXT_EXTENSIONS and compression in (None, *COMPRESSIONS):
         return "txt"
     if ext in DATASET_BUILDERS:
         return DATASET_BUILDERS[ext]
-    raise FineWebError(f"{path}: unsupported file type; the text read is .txt, .md, .py, .jsonl, .json or .parquet "
-                       "files, optionally compressed (.txt.gz/.bz2/.xz, .jsonl.gz/.bz2/.xz/.zst)")
+    raise FineWebError(f"{path}: unsupported file type; the text read is .txt, .md, .py, .jsonl, "
+                       ".json or .parquet files, optionally compressed (.txt.gz/.bz2/.xz, "
+                       ".jsonl.gz/.bz2/.xz/.zst)")
 
 
 def known_kind(path):
@@ -71,12 +75,14 @@ def known_kind(path):
 
 
 def folder_files(folder):
-    """The files a folder source stands for: every file of a known_kind in it, at any depth, sorted (a
-    folder's files before its subfolders'); hidden files and folders, and empty files, skipped."""
+    """The files a folder source stands for: every file of a known_kind in it, at any depth, sorted
+    (a folder's files before its subfolders'); hidden files and folders, and empty files,
+    skipped."""
     paths = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        paths += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".") and known_kind(f)]
+        kept = [f for f in sorted(files) if not f.startswith(".") and known_kind(f)]
+        paths += [os.path.join(root, f) for f in kept]
     return [p for p in paths if os.path.getsize(p) > 0]
 
 
@@ -87,7 +93,8 @@ def expand_sources(paths):
         if not os.path.isdir(path):
             files.append(path)
         elif not (found := folder_files(path)):
-            raise FineWebError(f"{path}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or .parquet files")
+            raise FineWebError(f"{path}: the folder holds no non-empty .txt, .md, .py, .jsonl, "
+                               ".json or .parquet files")
         else:
             files += found
     return files
@@ -106,8 +113,8 @@ def check_sources(paths):
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as e:  # pyarrow's errors: a truncated or foreign file
-                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it or leave it out "
-                                   "of the files passed") from None
+                raise FineWebError(f"{path} is not a readable parquet file ({one_line(e)}); fix it "
+                                   "or leave it out of the files passed") from None
             if rows == 0:  # datasets trips over these
                 raise FineWebError(f"{path} holds no rows; leave it out of the files passed")
 
@@ -123,21 +130,25 @@ def sha256_file(path):
 def source_spec(args):
     """What the documents come from, as recorded in (and compared with) the manifest."""
     if args.source:
-        return {"files": [{"path": os.path.abspath(p), "sha256": sha256_file(p)} for p in args.source],
+        return {"files": [{"path": os.path.abspath(p), "sha256": sha256_file(p)}
+                          for p in args.source],
                 "text_column": args.text_column}
-    return {"dataset": args.dataset, "name": args.name, "split": args.split, "text_column": args.text_column}
+    return {"dataset": args.dataset, "name": args.name, "split": args.split,
+            "text_column": args.text_column}
 
 
 def read_text_file(path):
     opener = COMPRESSIONS.get(os.path.splitext(path)[1].lower(), open)
     try:
-        with opener(path, "rt", encoding="utf-8", newline="") as f:  # newline="": the text as it is, \r\n too
+        # newline="": the text as it is, \r\n too
+        with opener(path, "rt", encoding="utf-8", newline="") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+        raise FineWebError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to "
+                           "UTF-8") from None
     except (OSError, EOFError, lzma.LZMAError) as e:  # a truncated or corrupt .gz/.bz2/.xz
-        raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of the files "
-                           "passed") from None
+        raise FineWebError(f"{path} cannot be read ({one_line(e)}); fix it or leave it out of the "
+                           "files passed") from None
 
 
 def iter_rows(ds, text_column, where):
@@ -145,14 +156,14 @@ def iter_rows(ds, text_column, where):
     if ds.features is not None and not ds.features:
         raise FineWebError(f"{where} holds no rows; leave it out of the files passed")
     if ds.features is not None and text_column not in ds.features:
-        raise FineWebError(f"{where} has no column {text_column!r} (columns: {', '.join(ds.features)}); "
-                           "pass --text_column=NAME")
+        raise FineWebError(f"{where} has no column {text_column!r} (columns: "
+                           f"{', '.join(ds.features)}); pass --text_column=NAME")
     row = 1  # rows count from 1, as hellaswag.py's and an editor's lines do
     for batch in ds.iter(batch_size=1000):
         texts = batch.get(text_column)
         if texts is None:
-            raise FineWebError(f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(batch)}); "
-                               "pass --text_column=NAME")
+            raise FineWebError(f"{where}: row {row} has no column {text_column!r} (columns: "
+                               f"{', '.join(batch)}); pass --text_column=NAME")
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise FineWebError(f"{where}: row {row + i} has no text in column {text_column!r} "
@@ -199,11 +210,13 @@ def iter_documents(args, skip=0):
                 n += 1
         except FineWebError:
             raise
-        except Exception as e:  # a malformed file (exit 2), or the hub's network (exit 1): the shards so far are kept
+        # a malformed file (exit 2), or the hub's network (exit 1): the shards so far are kept
+        except Exception as e:
             if kind == "hub":
-                raise ConnectionError(f"reading {where} failed ({one_line(e)}); the shards so far are kept") from None
-            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same command "
-                               "again") from None
+                raise ConnectionError(f"reading {where} failed ({one_line(e)}); the shards so far "
+                                      "are kept") from None
+            raise FineWebError(f"reading {where} failed ({one_line(e)}); fix it and run the same "
+                               "command again") from None
 
 
 def batches(docs):
@@ -229,17 +242,20 @@ def encode_docs(docs):
     each document alone, and the tokens come back as a numpy buffer, not as Python ints."""
     enc = get_encoding()
     tokens = None
-    if not any(EOT_TEXT in doc for doc in docs):  # a document that spells "<|endoftext|>" keeps it as plain text
+    # a document that spells "<|endoftext|>" keeps it as plain text
+    if not any(EOT_TEXT in doc for doc in docs):
         try:
-            tokens = enc.encode_to_numpy(EOT_TEXT + EOT_TEXT.join(docs), allowed_special={EOT_TEXT})  # (N,) uint32
+            # (N,) uint32
+            tokens = enc.encode_to_numpy(EOT_TEXT + EOT_TEXT.join(docs), allowed_special={EOT_TEXT})
         except UnicodeEncodeError:  # lone surrogates: encode_ordinary knows how to repair them
             pass
     if tokens is None:
-        tokens = np.array([t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)], dtype=np.uint32)
+        tokens = np.array([t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)],
+                          dtype=np.uint32)
     if tokens.size and tokens.max() >= 2**16:
         bad = int(tokens.max())
-        raise FineWebError(f"token {bad} does not fit in uint16 (< 65536): these shards need a tokenizer "
-                           "with a vocabulary of at most 65536 tokens")
+        raise FineWebError(f"token {bad} does not fit in uint16 (< 65536): these shards need a "
+                           "tokenizer with a vocabulary of at most 65536 tokens")
     return tokens.astype(np.uint16)
 
 
@@ -249,11 +265,12 @@ def worker_init():
 
 
 def start_pool(num_proc):
-    """Worker processes for tokenize(), or None for num_proc 1 (encode in this process). Spawned, not
-    forked: the same on every OS, and safe when the caller has threads (torch, the trainer)."""
+    """Worker processes for tokenize(), or None for num_proc 1 (encode in this process). Spawned,
+    not forked: the same on every OS, and safe when the caller has threads (torch, the trainer)."""
     if num_proc == 1:
         return None
-    return ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=worker_init)
+    return ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=worker_init)
 
 
 def tokenize(docs, pool, num_proc):
@@ -275,12 +292,14 @@ def tokenize(docs, pool, num_proc):
 
 
 def chunk_parts(prefix, index, n, val_fraction):
-    """The shards chunk `index` of the stream (n tokens) is saved as: [(name, split, start, end)]."""
+    """The shards chunk `index` of the stream (n tokens) is saved as: [(name, split, start,
+    end)]."""
     if val_fraction is None:  # shard 0 is val, the rest train
         split = "val" if index == 0 else "train"
         return [(f"{prefix}_{split}_{index:06d}.npy", split, 0, n)]
     v = math.ceil(val_fraction * n)
-    parts = [(f"{prefix}_val_{index:06d}.npy", "val", 0, v), (f"{prefix}_train_{index:06d}.npy", "train", v, n)]
+    parts = [(f"{prefix}_val_{index:06d}.npy", "val", 0, v),
+             (f"{prefix}_train_{index:06d}.npy", "train", v, n)]
     return [p for p in parts if p[3] > p[2]]
 
 
@@ -300,19 +319,24 @@ def load_manifest(out_dir):
     try:
         with open(path) as f:
             manifest = json.load(f)
-    except (ValueError, RecursionError, IsADirectoryError) as e:  # (ValueError: not JSON, not UTF-8)
-        raise FineWebError(f"{path} is not valid JSON ({one_line(e)}); move {out_dir} aside or delete it") from None
-    if not isinstance(manifest, dict) or not {"tokenizer", "settings", "shards"} <= manifest.keys() \
-            or not isinstance(manifest["settings"], dict) or not isinstance(manifest["shards"], list) \
-            or not all(map(is_shard_entry, manifest["shards"])):
-        raise FineWebError(f"{path} is not a manifest this script wrote; move {out_dir} aside or delete it")
+    except (ValueError, RecursionError, IsADirectoryError) as e:  # ValueError: not JSON, not UTF-8
+        raise FineWebError(f"{path} is not valid JSON ({one_line(e)}); move {out_dir} aside or "
+                           "delete it") from None
+    ok = isinstance(manifest, dict) and {"tokenizer", "settings", "shards"} <= manifest.keys()
+    ok = ok and isinstance(manifest["settings"], dict) and isinstance(manifest["shards"], list)
+    if not ok or not all(map(is_shard_entry, manifest["shards"])):
+        raise FineWebError(f"{path} is not a manifest this script wrote; move {out_dir} aside or "
+                           "delete it")
     return manifest
 
 
 def is_shard_entry(s):
-    """Whether s is a manifest's shard entry: {"name": a file name, "tokens", "sha256", "next": [doc, offset]}."""
-    return (isinstance(s, dict) and isinstance(s.get("name"), str) and s["name"] == os.path.basename(s["name"]) != ""
-            and type(s.get("tokens")) is int and isinstance(s.get("sha256"), str) and isinstance(s.get("next"), list)
+    """Whether s is a manifest's shard entry: {"name": a file name, "tokens", "sha256",
+    "next": [doc, offset]}."""
+    return (isinstance(s, dict) and isinstance(s.get("name"), str)
+            and s["name"] == os.path.basename(s["name"]) != ""
+            and type(s.get("tokens")) is int and isinstance(s.get("sha256"), str)
+            and isinstance(s.get("next"), list)
             and len(s["next"]) == 2 and all(type(v) is int for v in s["next"]))
 
 
@@ -323,16 +347,18 @@ def check_shard(out_dir, shard):
         return f"{shard['name']} is missing"
     sha = sha256_file(path)
     if sha != shard["sha256"]:
-        return f"{shard['name']} has sha256 {sha[:16]}..., the manifest says {shard['sha256'][:16]}..."
+        return (f"{shard['name']} has sha256 {sha[:16]}..., the manifest says "
+                f"{shard['sha256'][:16]}...")
     tokens = np.load(path, mmap_mode="r")
     if tokens.dtype != np.uint16 or tokens.shape != (shard["tokens"],):
-        return f"{shard['name']} holds {tokens.dtype} {tokens.shape}, the manifest says uint16 ({shard['tokens']},)"
+        return (f"{shard['name']} holds {tokens.dtype} {tokens.shape}, the manifest says uint16 "
+                f"({shard['tokens']},)")
     return None
 
 
 def startup_problems(out_dir):
-    """What a trainer starting on out_dir can check in a moment against its manifest (no sha256): the listed
-    shards missing, unreadable or of another length. [] without a manifest."""
+    """What a trainer starting on out_dir can check in a moment against its manifest (no sha256):
+    the listed shards missing, unreadable or of another length. [] without a manifest."""
     manifest, problems = load_manifest(out_dir), []
     for shard in manifest["shards"] if manifest else []:
         path = os.path.join(out_dir, shard["name"])
@@ -345,21 +371,23 @@ def startup_problems(out_dir):
             problems.append(f"{shard['name']} is not a readable .npy ({one_line(e)})")
             continue
         if tokens.dtype != np.uint16 or tokens.shape != (shard["tokens"],):
-            problems.append(f"{shard['name']} holds {tokens.dtype} {tokens.shape}, the manifest says uint16 "
-                            f"({shard['tokens']},)")
+            problems.append(f"{shard['name']} holds {tokens.dtype} {tokens.shape}, the manifest "
+                            f"says uint16 ({shard['tokens']},)")
     return problems
 
 
 def repair_command(out_dir, **changed):
-    """The fineweb.py command that made out_dir's shards, from its manifest: run again, it redoes them from
-    the first one missing or damaged. changed: settings to run it with instead (val_fraction=0.1: the same
-    tokens cut differently, which rebuilds the folder)."""
+    """The fineweb.py command that made out_dir's shards, from its manifest: run again, it redoes
+    them from the first one missing or damaged. changed: settings to run it with instead
+    (val_fraction=0.1: the same tokens cut differently, which rebuilds the folder)."""
     settings = {**load_manifest(out_dir)["settings"], **changed}
     source, opts = settings["source"], []
     if "files" in source:
-        opts += ["--source", shlex.quote(source["files"][0]["path"]) + (" ..." if len(source["files"]) > 1 else "")]
+        more = " ..." if len(source["files"]) > 1 else ""
+        opts += ["--source", shlex.quote(source["files"][0]["path"]) + more]
     else:
-        opts += ["--dataset", source["dataset"], "--name", source["name"], "--split", source["split"]]
+        opts += ["--dataset", source["dataset"], "--name", source["name"],
+                 "--split", source["split"]]
     if source.get("text_column", "text") != "text":
         opts += ["--text_column", source["text_column"]]
     for key, default in (("prefix", "edufineweb"), ("shard_size", 10**8), ("val_fraction", None),
@@ -373,43 +401,49 @@ def loose_shards(out_dir):
     """.npy files the trainer would read as shards (names with 'train' or 'val')."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted(f for f in os.listdir(out_dir) if f.endswith(".npy") and ("train" in f or "val" in f))
+    names = [f for f in os.listdir(out_dir) if f.endswith(".npy")]
+    return sorted(f for f in names if "train" in f or "val" in f)
 
 
 def describe_source(source):
     if "files" in source:
         return ", ".join(os.path.basename(f["path"]) for f in source["files"])
-    return f"{source['dataset']} ({source['name']}, {source['split']}, column {source['text_column']!r})"
+    return (f"{source['dataset']} ({source['name']}, {source['split']}, "
+            f"column {source['text_column']!r})")
 
 
 LAYOUT = {"shard_size", "val_fraction"}  # settings that cut the same tokens differently
 
 
 def difference(old, new, ignore=()):
-    """The first setting that differs between two manifests' settings, in words; None if none does."""
+    """The first setting that differs between two manifests' settings, in words, or None."""
     for key in sorted((set(old) | set(new)) - set(ignore)):
         if old.get(key) != new.get(key):
             if key != "source":
                 return f"{key}={old.get(key)} (this run: {key}={new.get(key)})"
             was, now = describe_source(old[key]), describe_source(new[key])
-            return f"a different source ({was}{' with other contents' if was == now else ''}; this run: {now})"
+            same = " with other contents" if was == now else ""
+            return f"a different source ({was}{same}; this run: {now})"
     return None
 
 
 def resume(out_dir, settings):
-    """(shards to keep, start position) for a run with these settings in out_dir; None if it is done."""
+    """(shards to keep, start position) for a run with these settings in out_dir; None if it is
+    done."""
     manifest = load_manifest(out_dir)
     if manifest is None:
         if loose_shards(out_dir):
-            raise FineWebError(f"{out_dir} holds shards ({loose_shards(out_dir)[0]}, ...) but no {MANIFEST}: "
-                               "they are not from this script; use another --out_dir")
+            raise FineWebError(f"{out_dir} holds shards ({loose_shards(out_dir)[0]}, ...) but no "
+                               f"{MANIFEST}: they are not from this script; use another --out_dir")
         return [], (0, 0)
-    old, new = {"tokenizer": manifest["tokenizer"], **manifest["settings"]}, {"tokenizer": tokenizer_info(), **settings}
+    old = {"tokenizer": manifest["tokenizer"], **manifest["settings"]}
+    new = {"tokenizer": tokenizer_info(), **settings}
     diff = difference(old, new, ignore=LAYOUT)
     if diff:
         raise FineWebError(f"{out_dir} holds shards made from {diff}: use another --out_dir, "
                            f"or delete {out_dir} to start over")
-    if difference(old, new):  # the same tokens, cut differently: remove the old shards, then start over
+    # the same tokens, cut differently: remove the old shards, then start over
+    if difference(old, new):
         print(f"{out_dir}: rebuilding, {difference(old, new)}", file=sys.stderr)
         for shard in manifest["shards"]:
             if os.path.exists(os.path.join(out_dir, shard["name"])):
@@ -421,7 +455,8 @@ def resume(out_dir, settings):
         problem = check_shard(out_dir, shard)
         if problem:
             print(f"redoing from {shard['name']}: {problem}", file=sys.stderr)
-            kept = [s for s in kept if s["next"] != shard["next"]]  # the whole chunk: all its parts end there
+            # the whole chunk: all its parts end there
+            kept = [s for s in kept if s["next"] != shard["next"]]
             break
         kept.append(shard)
     if manifest.get("complete") and len(kept) == len(manifest["shards"]):
@@ -447,13 +482,18 @@ def verify(out_dir):
     for shard in manifest["shards"]:
         problem = check_shard(out_dir, shard)
         if problem:
-            raise FineWebError(f"{out_dir}: {problem}; run the same command that made it again to redo it")
+            raise FineWebError(f"{out_dir}: {problem}; run the same command that made it again to "
+                               "redo it")
     unlisted = sorted(set(loose_shards(out_dir)) - {s["name"] for s in manifest["shards"]})
     if unlisted:
-        raise FineWebError(f"{out_dir}: {unlisted[0]} is not in {MANIFEST}; the trainer would read it, move it away")
+        raise FineWebError(f"{out_dir}: {unlisted[0]} is not in {MANIFEST}; the trainer would read "
+                           "it, move it away")
     total = sum(s["tokens"] for s in manifest["shards"])
-    state = "complete" if manifest.get("complete") else "INCOMPLETE (run the same command again to finish)"
-    print(f"ok: {len(manifest['shards'])} shards, {total:,} tokens match {MANIFEST}; the run is {state}")
+    state = "complete"
+    if not manifest.get("complete"):
+        state = "INCOMPLETE (run the same command again to finish)"
+    print(f"ok: {len(manifest['shards'])} shards, {total:,} tokens match {MANIFEST}; "
+          f"the run is {state}")
 
 # -----------------------------------------------------------------------------
 # the run: token stream -> shards
@@ -472,27 +512,35 @@ def finish_build(args, settings, shards, total):
     """The manifest of a finished run, marked complete, and the run's last lines."""
     if not shards:
         raise FineWebError("the source holds no documents")
-    if not any(s["split"] == "train" for s in shards):  # the manifest stays incomplete: nothing a trainer can use
+    # the manifest stays incomplete: nothing a trainer can use
+    if not any(s["split"] == "train" for s in shards):
         if args.val_fraction is not None and args.val_fraction <= 0.1:  # (a source of one token)
-            raise FineWebError(f"the source is {total:,} token(s), too few for a train split; add text")
-        why = f"{'less than' if total < args.shard_size else 'exactly'} one --shard_size chunk " \
-            f"({args.shard_size:,}), and shard 0 is val" if args.val_fraction is None else \
-            f"and --val_fraction {args.val_fraction} makes all of it val"
-        raise FineWebError(f"the source is {total:,} tokens, {why}: no train shard, so {args.out_dir} is left "
-                           f"incomplete; run again with --val_fraction 0.1 (the first 10% of every chunk is val): "
+            raise FineWebError(f"the source is {total:,} token(s), too few for a train split; "
+                               "add text")
+        why = f"and --val_fraction {args.val_fraction} makes all of it val"
+        if args.val_fraction is None:
+            size = "less than" if total < args.shard_size else "exactly"
+            why = f"{size} one --shard_size chunk ({args.shard_size:,}), and shard 0 is val"
+        raise FineWebError(f"the source is {total:,} tokens, {why}: no train shard, so "
+                           f"{args.out_dir} is left incomplete; run again with --val_fraction 0.1 "
+                           "(the first 10% of every chunk is val): "
                            f"{repair_command(args.out_dir, val_fraction=0.1)}")
     write_json(os.path.join(args.out_dir, MANIFEST), make_manifest(settings, shards, complete=True))
     print(f"wrote {len(shards)} shards ({total:,} tokens) to {args.out_dir}")
 
 
 def checked_args(args):
-    """args with each source folder replaced by its files, all checked; a file as out_dir refused."""
+    """args with each source folder replaced by its files, all checked (a file as out_dir is
+    refused)."""
     if args.source:
         args = dataclasses.replace(args, source=expand_sources(args.source))
         check_sources(args.source)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise FineWebError(f"--out_dir {args.out_dir} is a file, not a folder")
     return args
+
+
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -508,12 +556,12 @@ class Job:
     shard_size: int = 10**8
     val_fraction: float = None
     max_tokens: int = None
-    num_proc: int = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    num_proc: int = CPUS
 
 
 def build(out_dir, **settings):
-    """Tokenize the source into shards in out_dir, resuming a run that was cut short there. settings: Job's
-    fields by name (source=[...], prefix=..., shard_size=..., ...)."""
+    """Tokenize the source into shards in out_dir, resuming a run that was cut short there.
+    settings: Job's fields by name (source=[...], prefix=..., shard_size=..., ...)."""
     run(Job(out_dir, **settings))
 
 
@@ -527,7 +575,8 @@ def run(args):
         return
     shards, (doc, offset) = plan
     manifest_path = os.path.join(args.out_dir, MANIFEST)
-    if os.path.exists(manifest_path):  # forget the entries past the last good shard before anything else
+    # forget the entries past the last good shard before anything else
+    if os.path.exists(manifest_path):
         write_json(manifest_path, make_manifest(settings, shards, complete=False))
     if shards:
         print(f"resuming after {len(shards)} complete shards, at document {doc:,}")
@@ -535,17 +584,21 @@ def run(args):
     from tqdm import tqdm
     max_tokens = args.max_tokens or float("inf")
     total = sum(s["tokens"] for s in shards)
-    chunks = len({tuple(s["next"]) for s in shards})  # the parts of one chunk share its end position
+    # the parts of one chunk share its end position
+    chunks = len({tuple(s["next"]) for s in shards})
     buf = np.empty(args.shard_size, dtype=np.uint16)  # the chunk (shard) being filled
     fill = 0
-    # shards are saved (np.save, sha256, fsync, rename, manifest) in a thread beside the tokenizing, one
-    # at a time and in order: ~0.5 s a 100M-token shard that the workers need not wait for
+    # shards are saved (np.save, sha256, fsync, rename, manifest) in a thread beside the tokenizing,
+    # one at a time and in order: ~0.5 s a 100M-token shard that the workers need not wait for
     writer, writing = ThreadPoolExecutor(1), None
 
-    def save(tokens, parts, listed):  # writer thread: the chunk's shard files, then the manifest that lists them
+    # writer thread: the chunk's shard files, then the manifest that lists them
+    def save(tokens, parts, listed):
         for entry, (_, _, start, end) in zip(listed[len(listed) - len(parts):], parts):
-            entry["sha256"] = write_shard(os.path.join(args.out_dir, entry["name"]), tokens[start:end])
-            entry["max_token"] = int(tokens[start:end].max())  # the trainer's vocab check, without a scan
+            entry["sha256"] = write_shard(os.path.join(args.out_dir, entry["name"]),
+                                          tokens[start:end])
+            # the trainer's vocab check, without a scan
+            entry["max_token"] = int(tokens[start:end].max())
         write_json(manifest_path, make_manifest(settings, listed, complete=False))
 
     def finish_shard(position):
@@ -556,26 +609,31 @@ def run(args):
         parts = chunk_parts(args.prefix, chunks, fill, args.val_fraction)
         for name, split, start, end in parts:
             shards.append({"name": name, "split": split, "tokens": end - start, "sha256": None,
-                           "next": list(position)})  # next: (document, token offset) where the next chunk starts
+                           # next: (document, token offset) where the next chunk starts
+                           "next": list(position)})
         writing = writer.submit(save, buf[:fill], parts, list(shards))
         buf = np.empty(args.shard_size, dtype=np.uint16)
         chunks += 1
 
-    bar = tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True, desc="tokenizing", smoothing=0.05)
+    bar = tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True, desc="tokenizing",
+               smoothing=0.05)
     # a local source of about one batch is encoded faster here than it takes to start a pool
     small = args.source and sum(os.path.getsize(p) for p in args.source) <= BATCH_CHARS
     num_proc = 1 if small else args.num_proc
     pool = start_pool(num_proc)
     stream = tokenize(iter_documents(args, skip=doc), pool, num_proc)
     try:
-        for tokens in stream:  # (n,) uint16: whole documents doc, doc+1, ..., each starting with EOT
-            pos, offset = offset, 0  # after a resume, the first `offset` tokens are in the last kept shard
+        # (n,) uint16: whole documents doc, doc+1, ..., each starting with EOT
+        for tokens in stream:
+            # after a resume, the first `offset` tokens are in the last kept shard
+            pos, offset = offset, 0
             while pos < len(tokens) and total < max_tokens:
                 take = int(min(len(tokens) - pos, args.shard_size - fill, max_tokens - total))
                 buf[fill:fill + take] = tokens[pos:pos + take]
                 fill, pos, total = fill + take, pos + take, total + take
                 if fill == args.shard_size or total == max_tokens:
-                    starts = np.flatnonzero(tokens[:pos + 1] == EOT)  # document starts up to position pos
+                    # document starts up to position pos
+                    starts = np.flatnonzero(tokens[:pos + 1] == EOT)
                     finish_shard((doc + len(starts) - 1, pos - int(starts[-1])))
                     fill = 0
             doc += int(np.count_nonzero(tokens == EOT))
