@@ -98,6 +98,11 @@ def teardown():
         dist.destroy_process_group()
 
 
+def rank():
+    """This process's rank in the default process group: 0 without one (no torchrun)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def agree(value, op, device, group=None):
     """The same number on every DDP rank: all_reduce with op ('max' or 'min') over group (None: all
     ranks, the default process group; a gloo group takes device "cpu"); unchanged without DDP."""
