@@ -334,12 +334,12 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, packing=None):
 
 
 @torch.no_grad()
-def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, progress=False,
-             stop=None):
+def evaluate(model, examples, *, plan, batch_size=16, progress=False, stop=None):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
-    this rank scores examples[rank::world_size], batch_size examples per forward, and the counts are
-    summed over ranks with all_reduce. Each example is packed (collate_packed) where ctx + 4 endings
-    fit block_size, else it is 4 rows (collate). An eager model gets one example per packed row,
+    this rank scores examples[rank::world_size] (torch.distributed's, when it is initialized; else
+    all of them), batch_size examples per forward, and the counts are summed over ranks with
+    all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit block_size, else
+    it is 4 rows (collate). An eager model gets one example per packed row,
     each batch padded to its own longest row. A compiled model gets one fixed shape per path, so it
     compiles once per evaluation set, not once per batch: batch_size packed rows of T tokens (T:
     this rank's longest packed example, rounded up to 16), short examples sharing a row (pack_rows)
@@ -350,6 +350,8 @@ def evaluate(model, examples, *, plan, batch_size=16, rank=0, world_size=1, prog
     "pred", "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
     block_size = raw.config.block_size
+    ranks = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ranks else (0, 1)
     local = examples[rank::world_size]
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
     # packed where it fits, else 4 rows; similar lengths together

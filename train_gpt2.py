@@ -502,8 +502,7 @@ def run_evals(run, step, last, progress):
             runlog and runlog.write({"step": step, "val_loss": val_loss})
         if run.hellaswag and due(cfg.hellaswag_interval, step, last):
             hellaswag, examples = run.hellaswag
-            res = hellaswag.evaluate(run.model, examples, plan=run.plan, rank=env.rank,
-                                     world_size=env.world_size, progress=env.master,
+            res = hellaswag.evaluate(run.model, examples, plan=run.plan, progress=env.master,
                                      stop=None if env.ddp else stop_now)  # (ranks: other batches)
             if res.get("stopped"):
                 return True

@@ -2,10 +2,10 @@
 A run's out_dir: its name (run_out_dir), its checkpoint files (list, read, newest; save, prune),
 what a checkpoint changes on resume, and the lock that keeps one live run per out_dir.
 
-    lock = OutDirLock(); lock.acquire(out_dir)                     # a second live run on out_dir: one line, exit 2
-    ckpt, overrides = resume_overrides(out_dir, cfg, given)   # the checkpoint to continue from, what it fixes
-    save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master, **extra)
-    restore(ckpt, raw_model, optimizers, scaler, loader, device)   # what it continues from, put back
+    lock = OutDirLock(); lock.acquire(out_dir)   # a second live run on out_dir: one line, exit 2
+    ckpt, overrides = resume_overrides(out_dir, cfg, given)  # what to continue from, what it fixes
+    save_checkpoint(path, raw_model, optimizers, scaler, loader, device, step=step, config=config)
+    restore(ckpt, raw_model, optimizers, scaler, loader, device)  # what it continues from, put back
 
 Checkpoints hold plain tensors/dicts/numbers only, so torch.load(weights_only=True) reads them; the
 optimizer state is keyed by parameter name (one state for AdamW alone, or AdamW + Muon together).
@@ -27,7 +27,7 @@ import zipfile
 import torch
 
 from gpt2train.config import SHAPE_KEYS as MODEL_KEYS
-from gpt2train.distributed import agree
+from gpt2train.distributed import agree, rank
 from gpt2train.fileio import DiskFull, UserError, missing_dirs, remove_empty_dirs, replacing
 from gpt2train import optim
 from gpt2train.guard import Diverged, remedy
@@ -36,15 +36,17 @@ from gpt2train.sharding import full_state, load_optimizer_state
 
 # the keys that give a run its meaning: on resume they come from the checkpoint (MODEL_KEYS: from
 # its model)
-RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr", "weight_decay",
-            "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule", "cooldown_frac", "embed_lr_mult",
-            "scalar_lr_mult", "muon_momentum_warmup", "muon_split_qkv", "zero_init_proj")
+RUN_KEYS = ("init_from", "seq_len", "total_batch_size", "warmup_steps", "max_lr", "min_lr",
+            "weight_decay", "grad_clip", "seed", "muon_lr", "muon_momentum", "lr_schedule",
+            "cooldown_frac", "embed_lr_mult", "scalar_lr_mult", "muon_momentum_warmup",
+            "muon_split_qkv", "zero_init_proj")
 # a RUN_KEY whose default changed: what a checkpoint written before the key existed ran with
 BEFORE_THE_KEY = {"muon_split_qkv": False}
 
 
 def checkpoint_files(out_dir):
-    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp debris)."""
+    """The ckpt_XXXXXX.pt files in out_dir as [(step in the name, path)], highest first (no .tmp
+    debris)."""
     if not os.path.isdir(out_dir):
         return []
     names = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt_\d+\.pt", f)]
@@ -59,12 +61,14 @@ def held_steps(out_dir, skipped=None):
     held = []
     for _, path in checkpoint_files(out_dir):
         try:
-            held.append((torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"], path))
-        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not a checkpoint to resume
+            step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+            held.append((step, path))
+        except Exception as e:  # noqa: BLE001 - zip, unpickling, EOF, no "step": not to resume
             why = (str(e).strip().splitlines() or [""])[0]  # torch's first line, whole words only
             why = why if len(why) <= 150 else why[:150].rsplit(" ", 1)[0] + " ..."
             if skipped is not None:
-                skipped.append(f"skipping {path}: not a readable checkpoint ({type(e).__name__}: {why})")
+                skipped.append(f"skipping {path}: not a readable checkpoint "
+                               f"({type(e).__name__}: {why})")
     return sorted(held, reverse=True)
 
 
@@ -85,8 +89,9 @@ def newest_checkpoint(spec):
     for a folder)."""
     files = checkpoint_files(spec)
     if not files and is_run_folder(spec):
-        raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its checkpoint_interval, "
-                        "at a stop (Ctrl-C) and at its end; wait for one, or stop the run to write one now")
+        raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its "
+                        "checkpoint_interval, at a stop (Ctrl-C) and at its end; wait for one, or "
+                        "stop the run to write one now")
     held = warned_held_steps(spec) if files else []
     if held:
         return held[0][1]
@@ -116,20 +121,22 @@ def read_checkpoint(path):
         raise UserError(f"checkpoint {path!r} not found")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: all mean "not a readable checkpoint"
-        complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)  # torch.save writes a zip
+    except Exception as e:  # noqa: BLE001 - unpickling, zip, EOF: "not a readable checkpoint"
+        # torch.save writes a zip
+        complete = zipfile.is_zipfile(path) and not isinstance(e, pickle.UnpicklingError)
         why = ((str(e).strip().splitlines() or [type(e).__name__])[0][:200] if complete
                else "not a complete torch.save file")
-        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or another "
-                        "file?)") from None
+        raise UserError(f"{path} is not a readable train_gpt2.py checkpoint ({why}; truncated or "
+                        "another file?)") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
-        raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and 'model_args' in it)")
+        raise UserError(f"{path} is not a train_gpt2.py checkpoint (no 'model' and "
+                        "'model_args' in it)")
     return ckpt
 
 
 def check_config(config, state_dict):
-    """ValueError unless config's sizes are positive integers that agree with the weights' shapes and
-    its modes are known ones (a checkpoint's model_args against its model)."""
+    """ValueError unless config's sizes are positive integers that agree with the weights' shapes
+    and its modes are known ones (a checkpoint's model_args against its model)."""
     sizes = {k: getattr(config, k)
              for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
     if not all(type(v) is int and v >= 1 for v in sizes.values()):
@@ -141,9 +148,10 @@ def check_config(config, state_dict):
         if getattr(config, k) not in allowed:
             raise ValueError(f"{k}={getattr(config, k)!r} is not one of {', '.join(allowed)}")
     blocks = {k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")}
-    shapes = (tuple(state_dict["transformer.wte.weight"].shape), tuple(state_dict["transformer.wpe.weight"].shape),
-              len(blocks))
-    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd), config.n_layer):
+    shapes = (tuple(state_dict["transformer.wte.weight"].shape),
+              tuple(state_dict["transformer.wpe.weight"].shape), len(blocks))
+    if shapes != ((config.vocab_size, config.n_embd), (config.block_size, config.n_embd),
+                  config.n_layer):
         raise ValueError(f"model_args {sizes} do not match its weights")
 
 
@@ -152,9 +160,9 @@ def checkpoint_path(out_dir, step):
 
 
 def latest_checkpoint(out_dir):
-    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by its
-    name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning naming
-    it; only the chosen file is read in full."""
+    """(path, checkpoint) of the newest readable checkpoint in out_dir by the step it holds (not by
+    its name), or (None, None). An unreadable (truncated, foreign) file is skipped with a warning
+    naming it; only the chosen file is read in full."""
     for _, path in warned_held_steps(out_dir):
         try:
             return path, read_checkpoint(path)
@@ -169,52 +177,62 @@ def optimizer_kind(ckpt):
 
 
 def run_out_dir(cfg, given):
-    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's name>
-    (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text never
-    lands in another run's out_dir: the config's own run, or another config's run on the same text.
+    """--data without --out_dir on the command line trains in <the config's out_dir>-<the data's
+    name> (out/quickstart-my_book; out/my_book without a config's out_dir), so that your own text
+    never lands in another run's out_dir: the config's own run, or another config's run on the same
+    text.
     """
     if cfg.data and given.get("out_dir") != "cli":
         name = os.path.basename(os.path.normpath(cfg.data.split("*")[0])) or "data"
         name = os.path.splitext(name)[0] or "data"
-        return f"{os.path.normpath(cfg.out_dir)}-{name}" if "out_dir" in given else os.path.join("out", name)
+        if "out_dir" in given:
+            return f"{os.path.normpath(cfg.out_dir)}-{name}"
+        return os.path.join("out", name)
     return cfg.out_dir
 
 
 def resume_overrides(out_dir, cfg, given):
-    """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value} it
-    fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs one,
-    auto takes one if there is one. A model shape, init_from or optimizer the user set that differs
-    from the checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that changed
-    reported in one line. Only safe keys (intervals, max_steps, device, precision, micro-batch, ...)
-    come from cfg."""
+    """THE resume decision: (the checkpoint to continue from, or None for a fresh run; {key: value}
+    it fixes). resume=false refuses an out_dir that holds checkpoints (another run's), true needs
+    one, auto takes one if there is one. A model shape, init_from or optimizer the user set that
+    differs from the checkpoint's is refused; the RUN_KEYS come from the checkpoint, any that
+    changed reported in one line. Only safe keys (intervals, max_steps, device, precision,
+    micro-batch, ...) come from cfg."""
     files = checkpoint_files(out_dir)
-    how = "--resume=auto continues it; for a new run choose another --out_dir (or delete its ckpt_*.pt)"
     if cfg.resume == "false":
         if files:
             newest = os.path.basename(files[0][1])
-            raise UserError(f"out_dir {out_dir!r} holds another run's checkpoints ({newest}): {how}")
+            raise UserError(f"out_dir {out_dir!r} holds another run's checkpoints ({newest}): "
+                            "--resume=auto continues it; for a new run choose another --out_dir "
+                            "(or delete its ckpt_*.pt)")
         return None, {}
     if not files:
         if cfg.resume == "true":
-            raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point --out_dir at "
-                            "the run")
+            raise UserError(f"resume=true but {out_dir!r} has no ckpt_*.pt: drop --resume or point "
+                            "--out_dir at the run")
         return None, {}
     path, ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
-        raise UserError(f"out_dir {out_dir!r} holds ckpt_*.pt files but none is readable: choose another --out_dir")
+        raise UserError(f"out_dir {out_dir!r} holds ckpt_*.pt files but none is readable: choose "
+                        "another --out_dir")
     saved, model_args = ckpt.get("config", {}), ckpt["model_args"]
     for key in MODEL_KEYS + ("init_from",):
         have = model_args.get(key) if key in MODEL_KEYS else saved.get(key, cfg.init_from)
         if key in given and getattr(cfg, key) != have:
-            drop = f"drop --{key} to continue this one" if given[key] == "cli" else f"{given[key]} sets it"
-            raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as asked: "
-                            f"choose another --out_dir for a new run ({drop})")
+            drop = f"{given[key]} sets it"
+            if given[key] == "cli":
+                drop = f"drop --{key} to continue this one"
+            raise UserError(f"{path} holds a run with {key}={have!r}, not {getattr(cfg, key)!r} as "
+                            f"asked: choose another --out_dir for a new run ({drop})")
     if optimizer_kind(ckpt) != cfg.optimizer:
-        raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not {cfg.optimizer} as asked: its "
-                        f"optimizer state cannot continue as the other; drop --optimizer to resume, or start a new run "
-                        f"from its weights with --init_from={path} --out_dir=<a new folder>")
-    overrides = {k: saved.get(k, BEFORE_THE_KEY.get(k)) for k in RUN_KEYS if k in saved or k in BEFORE_THE_KEY}
-    changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})" for k, v in overrides.items() if v != getattr(cfg, k)]
+        raise UserError(f"{path} was trained with optimizer={optimizer_kind(ckpt)}, not "
+                        f"{cfg.optimizer} as asked: its optimizer state cannot continue as the "
+                        "other; drop --optimizer to resume, or start a new run from its weights "
+                        f"with --init_from={path} --out_dir=<a new folder>")
+    overrides = {k: saved.get(k, BEFORE_THE_KEY.get(k))
+                 for k in RUN_KEYS if k in saved or k in BEFORE_THE_KEY}
+    changed = [f"{k}={v!r} (not {getattr(cfg, k)!r})"
+               for k, v in overrides.items() if v != getattr(cfg, k)]
     if changed:
         print0(f"note: resuming keeps the checkpoint's {', '.join(changed)}: they would change the "
                "run; to change them start a new run in another out_dir")
@@ -234,9 +252,9 @@ def resume_point(cfg, given, env, device, lock):
         held = float(ckpt["step"]) if ckpt is not None else -1.0
         if agree(held, "min", device) != agree(held, "max", device):
             mine = f"step {ckpt['step']}" if ckpt is not None else "none"
-            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank {env.rank}: "
-                            f"{mine}): put out_dir on a filesystem every node sees, or copy the newest "
-                            "ckpt_*.pt to every node's out_dir")
+            raise UserError(f"the ranks find different checkpoints in out_dir {out_dir!r} (rank "
+                            f"{env.rank}: {mine}): put out_dir on a filesystem every node sees, or "
+                            "copy the newest ckpt_*.pt to every node's out_dir")
     return out_dir, ckpt, overrides
 
 
@@ -270,21 +288,22 @@ def kept_branches(cfg, ckpt):
 
 
 def evals_done_at(ckpt):
-    """The step whose evals the checkpoint's run already ran (-1: none, or no checkpoint): a save for a
-    stop (signal, time limit) comes before the next step's evals."""
+    """The step whose evals the checkpoint's run already ran (-1: none, or no checkpoint): a save
+    for a stop (signal, time limit) comes before the next step's evals."""
     return ckpt["step"] if ckpt is not None and ckpt.get("evals_done", True) else -1
 
 
 def finished(ckpt, max_steps):
-    """Whether a checkpoint holds a run that is done: past max_steps, or at it with its evals run."""
+    """Whether a checkpoint holds a run that is done: past max_steps, or at it with its evals
+    run."""
     return ckpt is not None and (ckpt["step"] > max_steps or evals_done_at(ckpt) == max_steps)
 
 
 def finished_line(ckpt, max_steps):
     """The line for an out_dir whose checkpoint holds a finished run (finished): nothing to do."""
-    return (f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={max_steps}): nothing "
-            "to do; raise --max_steps to train on (how the lr schedule goes on: docs/training.md, "
-            "'Extending a run'), or choose another --out_dir")
+    return (f"{ckpt['path']} holds a finished run (step {ckpt['step']}, max_steps={max_steps}): "
+            "nothing to do; raise --max_steps to train on (how the lr schedule goes on: "
+            "docs/training.md, 'Extending a run'), or choose another --out_dir")
 
 
 def prune_checkpoints(out_dir, step, keep_last, keep=()):
@@ -301,8 +320,8 @@ def prune_checkpoints(out_dir, step, keep_last, keep=()):
         os.remove(path)
 
 
-BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a new out_dir and resume "
-               "there with a larger --max_steps)")
+BRANCH_NOTE = (" (the cooldown starts here; kept: to train longer, copy it to a new out_dir and "
+               "resume there with a larger --max_steps)")
 
 
 def due(run, step, last, progress):
@@ -313,7 +332,8 @@ def due(run, step, last, progress):
     every = run.cfg.checkpoint_interval
     branch = every > 0 and step == optim.cooldown_start(run.cfg)
     interval = every > 0 and step % every == 0
-    return step != run.evals_done_at and step > 0 and (last or progress.clock_due or branch or interval)
+    wanted = last or progress.clock_due or branch or interval
+    return step != run.evals_done_at and step > 0 and wanted
 
 
 def save_run(run, step, progress, evals_done=True):
@@ -322,14 +342,14 @@ def save_run(run, step, progress, evals_done=True):
     start or run.kept); note it in progress (the loop's state) and return its path."""
     cfg, branch = run.cfg, optim.cooldown_start(run.cfg)
     if not finite_state(run.raw_model, run.optimizers, run.plan.device):
-        raise Diverged(f"the weights or optimizer state hold inf/nan before the checkpoint at step {step}, "
-                       f"so it is not written: the run diverged (newest checkpoint: "
+        raise Diverged("the weights or optimizer state hold inf/nan before the checkpoint at step "
+                       f"{step}, so it is not written: the run diverged (newest checkpoint: "
                        f"{progress.newest or 'none'}); {remedy(cfg)}")
     t = time.time()
     path = checkpoint_path(cfg.out_dir, step)
-    save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, step, dataclasses.asdict(cfg),
-                    run.train_loader, run.plan.device, run.env.master, evals_done=evals_done,
-                    guard=progress.guard.state_dict(), kept=list(run.kept))
+    save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, run.train_loader,
+                    run.plan.device, step=step, config=dataclasses.asdict(cfg),
+                    evals_done=evals_done, guard=progress.guard.state_dict(), kept=list(run.kept))
     if run.env.master:
         prune_checkpoints(cfg.out_dir, step, cfg.keep_last, keep=(branch, *run.kept))
         note = BRANCH_NOTE if step == branch and step < cfg.max_steps else ""
@@ -358,17 +378,17 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, device, master=True, **extra):
-    """Every rank calls it (under FSDP the full state is gathered from all of them); rank 0 writes.
-    config: the run's resolved config (a dict). extra: the loop's own state (whether the evals at
-    this step ran, the skip guard's history)."""
+def save_checkpoint(path, raw_model, optimizers, scaler, loader, device, *, step, config, **extra):
+    """Write the checkpoint of step to path: every rank calls it (under FSDP the full state is
+    gathered from all of them), rank 0 writes. config: the run's resolved config (a dict). extra:
+    the loop's own state (whether the evals at this step ran, the skip guard's history)."""
     model_state, optimizer_state = full_state(raw_model, optimizers)  # full CPU tensors on rank 0
-    if not master:
+    if rank() != 0:
         return
     ckpt = {
-        "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. / module. prefixes
+        "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. prefixes
         "model_args": dataclasses.asdict(raw_model.config),
-        "optimizer": optimizer_state,  # keyed by parameter name, with or without FSDP; AdamW's and Muon's together
+        "optimizer": optimizer_state,  # keyed by parameter name, FSDP or not; AdamW's and Muon's
         "scaler": scaler.state_dict(),
         "step": step,  # optimizer steps done
         "config": config,
@@ -376,17 +396,22 @@ def save_checkpoint(path, raw_model, optimizers, scaler, step, config, loader, d
         "rng": rng_state(device),
         **extra,
     }
-    with replacing(path) as tmp, open(tmp, "wb") as f:  # never a half-written checkpoint under the real name
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # never half a checkpoint under its name
         try:
             torch.save(ckpt, f)  # (to a file object: a full disk is then an OSError, ENOSPC)
-        except RuntimeError as e:  # torch's own report of a short write: a full disk, or another I/O error
-            need, free = state_bytes(ckpt), shutil.disk_usage(os.path.dirname(path) or ".").free + f.tell()
+        except RuntimeError as e:  # torch's own report of a short write: a full disk, or I/O
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free + f.tell()
+            need = state_bytes(ckpt)
             if free < need:  # (f.tell(): the bytes written so far, freed with the temp file)
-                size = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"  # noqa: E731
-                raise DiskFull(f"No space left on device: the checkpoint needs {size(need)}, {size(free)} are free "
-                               f"there; free {size(need - free)} or choose another out_dir, then run the same "
-                               "command again", path) from None
+                raise DiskFull(f"No space left on device: the checkpoint needs {size(need)}, "
+                               f"{size(free)} are free there; free {size(need - free)} or choose "
+                               "another out_dir, then run the same command again", path) from None
             raise OSError(errno.EIO, f"a short write ({str(e).strip()[:200]})") from None
+
+
+def size(n):
+    """n bytes for a person: GB from 0.1 GB on, else MB."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def state_bytes(obj):
@@ -401,7 +426,8 @@ def state_bytes(obj):
 
 
 def restore(ckpt, raw_model, optimizers, scaler, loader, device):
-    """Put back the state a checkpoint continues from: optimizers, loss scale, data position, RNG."""
+    """Put back the state a checkpoint continues from: optimizers, loss scale, data position,
+    RNG."""
     load_optimizer_state(raw_model, optimizers, ckpt["optimizer"])
     if ckpt["scaler"] and scaler.is_enabled():  # (the GradScaler is enabled for fp16 plans only)
         scaler.load_state_dict(ckpt["scaler"])
@@ -410,12 +436,15 @@ def restore(ckpt, raw_model, optimizers, scaler, loader, device):
 
 
 def finite_state(raw_model, optimizers, device):
-    """Whether the weights and the optimizer state are all finite (checked before every save), agreed
-    over the ranks (under FSDP each holds its own shards)."""
-    tensors = list(raw_model.parameters()) + [v for opt in optimizers for state in opt.state.values()
-                                              for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP: this rank's shard
-    ok = bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())  # sync: before a save only
+    """Whether the weights and the optimizer state are all finite (checked before every save),
+    agreed over the ranks (under FSDP each holds its own shards)."""
+    moments = [v for opt in optimizers for state in opt.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.is_floating_point()]
+    tensors = list(raw_model.parameters()) + moments
+    # FSDP: this rank's shard
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    # sync: before a save only
+    ok = bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
     return agree(float(ok), "min", device) == 1.0
 
 # -----------------------------------------------------------------------------
@@ -431,8 +460,8 @@ def _boot_id():
 
 
 def _process_start(pid):
-    """A live process's start time (clock ticks since boot; "" where /proc has none), None when there
-    is no such process: a pid reused by another program does not look like the holder."""
+    """A live process's start time (clock ticks since boot; "" where /proc has none), None when
+    there is no such process: a pid reused by another program does not look like the holder."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
@@ -447,12 +476,13 @@ def _process_start(pid):
     return ""
 
 
-BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}  # (no permission, read-only: fileio.fail says it, exit 2)
+# (no permission, read-only: fileio.fail says it, exit 2)
+BAD_OUT_DIR = {errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
 
 
 def make_out_dir(out_dir):
-    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a file
-    on the way (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a
+    """os.makedirs(out_dir), or UserError (bad input, exit 2) when the path cannot be a folder: a
+    file on the way (--out_dir=my_book.txt/run), a virtual filesystem (/proc/x). No permission or a
     read-only filesystem stays the OSError fileio.fail answers with exit 2; a full disk or an I/O
     error, exit 1."""
     try:
@@ -463,17 +493,22 @@ def make_out_dir(out_dir):
         up = os.path.normpath(out_dir)
         while up and not os.path.exists(up) and os.path.dirname(up) != up:
             up = os.path.dirname(up)
-        why = f"{up} is a file, not a folder" if os.path.isfile(up) else \
-            f"{up} allows no new folders ({e.strerror})" if e.errno == errno.ENOENT else f"{e.strerror} ({e.filename})"
-        raise UserError(f"out_dir {out_dir!r} cannot be made: {why}: choose another --out_dir") from None
+        if os.path.isfile(up):
+            why = f"{up} is a file, not a folder"
+        elif e.errno == errno.ENOENT:
+            why = f"{up} allows no new folders ({e.strerror})"
+        else:
+            why = f"{e.strerror} ({e.filename})"
+        raise UserError(f"out_dir {out_dir!r} cannot be made: {why}: choose another "
+                        "--out_dir") from None
 
 
 class OutDirLock:
-    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as Google
-    Drive, where fcntl/flock locks may not hold), naming its holder; a thread touches it every
-    HEARTBEAT seconds. Stale, and taken over: a holder on this host that is gone (its pid gone or
-    now another process, or the machine rebooted), or one on another host silent for STALE seconds.
-    A killed run never blocks resume=auto."""
+    """out_dir/run.lock, created with O_EXCL (atomic on local disks, NFS and FUSE mounts such as
+    Google Drive, where fcntl/flock locks may not hold), naming its holder; a thread touches it
+    every HEARTBEAT seconds. Stale, and taken over: a holder on this host that is gone (its pid gone
+    or now another process, or the machine rebooted), or one on another host silent for STALE
+    seconds. A killed run never blocks resume=auto."""
     HEARTBEAT, STALE = 30.0, 300.0
 
     def __init__(self):
@@ -495,11 +530,14 @@ class OutDirLock:
             return None if age > 5 else {"pid": "?", "host": "?", "since": "?"}
         if held.get("host") != self.me["host"]:
             return held if age < self.STALE else None
-        start = _process_start(int(held.get("pid", -1))) if held.get("boot_id") == self.me["boot_id"] else None
+        start = None  # the machine rebooted: no process of it is alive
+        if held.get("boot_id") == self.me["boot_id"]:
+            start = _process_start(int(held.get("pid", -1)))
         return held if start is not None and start == held.get("process_start", start) else None
 
     def acquire(self, out_dir):
-        """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a no-op."""
+        """Take out_dir's lock (making out_dir), or raise UserError naming its live holder. Again: a
+        no-op."""
         self.path = os.path.join(out_dir, "run.lock")
         self.made_dirs += missing_dirs(out_dir)  # the folders made for the run: out/my_book, out
         make_out_dir(out_dir)
@@ -508,13 +546,16 @@ class OutDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
             except FileExistsError:
                 held = self.holder()
-                if held is not None and (held.get("pid"), held.get("host")) == (self.me["pid"], self.me["host"]):
+                ours = (self.me["pid"], self.me["host"])
+                if held is not None and (held.get("pid"), held.get("host")) == ours:
                     return self
                 if held is not None:
-                    raise UserError(f"out_dir {out_dir!r} is in use by a live run: pid {held.get('pid')} on "
-                                    f"{held.get('host')}, since {held.get('since')} ({self.path}); wait for it to "
-                                    f"finish or stop it, or choose another --out_dir") from None
-                stale = f"{self.path}.stale.{os.getpid()}"  # one of several racers wins the O_EXCL that follows
+                    raise UserError(f"out_dir {out_dir!r} is in use by a live run: pid "
+                                    f"{held.get('pid')} on {held.get('host')}, since "
+                                    f"{held.get('since')} ({self.path}); wait for it to finish or "
+                                    "stop it, or choose another --out_dir") from None
+                # one of several racers wins the O_EXCL that follows
+                stale = f"{self.path}.stale.{os.getpid()}"
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(self.path, stale)
                     os.remove(stale)
@@ -523,7 +564,8 @@ class OutDirLock:
                 json.dump(self.me, f)
             threading.Thread(target=self.beat, daemon=True).start()
             return self
-        raise UserError(f"could not take {self.path}: other runs keep taking it; choose another --out_dir")
+        raise UserError(f"could not take {self.path}: other runs keep taking it; choose another "
+                        "--out_dir")
 
     def beat(self):
         while not self.stopped.wait(self.HEARTBEAT):
@@ -531,7 +573,8 @@ class OutDirLock:
                 os.utime(self.path)
 
     def release(self):
-        """Remove the lock if it is still ours, and the folders acquire made for out_dir, left empty."""
+        """Remove the lock if it is still ours, and the folders acquire made for out_dir, left
+        empty."""
         self.stopped.set()
         if self.path is None:  # never acquired
             return

@@ -6,7 +6,7 @@ Token shards to (B, T) batches for the trainer, and the shards it makes for itse
     loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, seed=1337)
     x, y = loader.next_batch()  # (B, T) int64 inputs, and their targets: the same rows one token on
 
-    python train_gpt2.py configs/quickstart.py --data=my_book.txt   # also a folder, a glob, .jsonl, .parquet
+    python train_gpt2.py configs/quickstart.py --data=my_book.txt  # or a folder, a glob, .jsonl
 
 Shards are fineweb.py's 1-D uint16 .npy files, memory-mapped; a split is the files with "train" or
 "val" in their names.
@@ -41,7 +41,8 @@ def shard_paths(data_dir, split):
                         f"to train on the text in that file, use --data={data_dir}")
     if not os.path.isdir(data_dir):
         raise UserError(f"data_dir {data_dir!r} does not exist: {how}")
-    paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".npy") and split in f)
+    names = [f for f in os.listdir(data_dir) if f.endswith(".npy") and split in f]
+    paths = sorted(os.path.join(data_dir, f) for f in names)
     if not paths:
         raise UserError(f"data_dir {data_dir!r} has no {split} shards (*{split}*.npy): {how}")
     return paths
@@ -60,8 +61,8 @@ def making_hint(data_dir):
         fix = {"val_fraction": 0.1} if manifest["settings"].get("val_fraction") is None else {}
         return f"make them with `{shards.repair_command(data_dir, **fix)}`, {text}"
     if shards.loose_shards(data_dir) or os.path.exists(os.path.join(data_dir, shards.MANIFEST)):
-        return ("make the shards in a new folder with `python fineweb.py --source YOUR_FILES --val_fraction 0.1 "
-                f"--out_dir NEW_FOLDER`, {text}")
+        return ("make the shards in a new folder with `python fineweb.py --source YOUR_FILES "
+                f"--val_fraction 0.1 --out_dir NEW_FOLDER`, {text}")
     return f"make the token shards with `python fineweb.py --out_dir {data_dir}`, {text}"
 
 
@@ -75,15 +76,21 @@ def check_shards(data_dir):
     problems = shards.startup_problems(data_dir)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"data_dir {data_dir!r}: {problems[0]}{more}, listed in its {shards.MANIFEST}: copy it "
-                        f"again if data_dir is a copy, or run the command that made it again, which redoes the shards "
-                        f"from there: {shards.repair_command(data_dir)}")
+        raise UserError(f"data_dir {data_dir!r}: {problems[0]}{more}, listed in its "
+                        f"{shards.MANIFEST}: copy it "
+                        "again if data_dir is a copy, or run the command that made it again, "
+                        f"which redoes the shards from there: {shards.repair_command(data_dir)}")
 
 
 def shard_maxima(data_dir):
-    """{shard name: its largest token id} from data_dir's manifest (fineweb.py writes it), {} without one."""
-    manifest = shards.load_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, shards.MANIFEST)) else None
-    return {s["name"]: s["max_token"] for s in manifest["shards"] if "max_token" in s} if manifest else {}
+    """{shard name: its largest token id} from data_dir's manifest (fineweb.py writes it), {}
+    without one."""
+    if not os.path.isfile(os.path.join(data_dir, shards.MANIFEST)):
+        return {}
+    manifest = shards.load_manifest(data_dir)
+    if not manifest:
+        return {}
+    return {s["name"]: s["max_token"] for s in manifest["shards"] if "max_token" in s}
 
 # -----------------------------------------------------------------------------
 # the loader: rows of T+1 tokens, in a seeded order that depends on (seed, epoch) alone
@@ -91,22 +98,24 @@ def shard_maxima(data_dir):
 
 @functools.lru_cache(maxsize=8)
 def permutation(n, *key):
-    """A permutation of range(n) drawn from key, e.g. (seed, epoch) or (seed, epoch, shard): the same
-    key always gives the same order, so no generator state has to be saved to resume."""
+    """A permutation of range(n) drawn from key, e.g. (seed, epoch) or (seed, epoch, shard): the
+    same key always gives the same order, so no generator state has to be saved to resume."""
     return np.random.default_rng([int(k) % 2**63 for k in key]).permutation(n)
 
 
 def load_shard(path):
-    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty, truncated
-    or foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
+    """A token shard, memory-mapped (pages in on demand), or UserError naming it: an empty,
+    truncated or foreign file, or one that is not the 1-D uint16 array fineweb.py writes."""
     try:
         shard = np.load(path, mmap_mode="r")
-    except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError...: not a readable .npy
+    except Exception as e:  # noqa: BLE001 - numpy's ValueError, EOFError, OSError: not an .npy
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
-        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again with "
-                        "fineweb.py") from None
+        raise UserError(f"{path} is not a readable .npy token shard ({why}): make the shards again "
+                        "with fineweb.py") from None
     if not isinstance(shard, np.ndarray) or shard.dtype != np.uint16 or shard.ndim != 1:
-        what = f"{shard.dtype} {tuple(shard.shape)}" if isinstance(shard, np.ndarray) else "an .npz archive"
+        what = "an .npz archive"
+        if isinstance(shard, np.ndarray):
+            what = f"{shard.dtype} {tuple(shard.shape)}"
         raise UserError(f"{path} holds {what}, not the 1-D uint16 tokens fineweb.py writes")
     return shard
 
@@ -127,25 +136,31 @@ class TokenLoader:
     state is (epoch, pos) only; rows, not B*T windows, are the unit so that the micro-batch size and
     the number of ranks may change without changing which tokens a step sees."""
 
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True, seed=0):
-        self.B, self.T, self.rank, self.world_size, self.vocab_size = B, T, rank, world_size, vocab_size
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True,
+                 seed=0):
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        self.vocab_size = vocab_size
         self.shuffle, self.seed = shuffle, seed
         self.paths = shard_paths(data_dir, split)
-        self.shards = [load_shard(p) for p in self.paths]  # memory-mapped: pages in on demand; one line if corrupt
+        # memory-mapped: pages in on demand; one line if corrupt
+        self.shards = [load_shard(p) for p in self.paths]
         self.n_tokens = sum(len(s) for s in self.shards)
         self.rows = [max(0, (len(s) - 1) // T) for s in self.shards]  # rows in each shard
         self.n_rows = sum(self.rows)
         if self.n_rows < B * world_size:
-            raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer than one micro-batch "
-                            f"needs ({B} rows of {T} + 1 tokens, x {world_size} rank(s)): prepare more data or lower "
-                            "micro_batch_size/seq_len")
-        if vocab_size is not None:  # at start-up, never in the loop: the manifest's maxima, else one scan a shard
+            raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer "
+                            "than one micro-batch "
+                            f"needs ({B} rows of {T} + 1 tokens, x {world_size} rank(s)): prepare "
+                            "more data or lower micro_batch_size/seq_len")
+        # at start-up, never in the loop: the manifest's maxima, else one scan a shard
+        if vocab_size is not None:
             maxima = shard_maxima(data_dir)
             for path, shard in zip(self.paths, self.shards):
                 top = maxima.get(os.path.basename(path))
                 top = int(shard.max()) if top is None else top  # (~0.1-2 s a 100M-token shard)
                 if top >= vocab_size:
-                    raise UserError(f"{path} holds token id {top} but vocab_size is {vocab_size}: raise vocab_size")
+                    raise UserError(f"{path} holds token id {top} but vocab_size is {vocab_size}: "
+                                    "raise vocab_size")
         self._layout = (None,)  # the last epoch's layout()
         self.reset()
 
@@ -171,13 +186,17 @@ class TokenLoader:
         return self.shards[s][j * self.T:(j + 1) * self.T + 1]
 
     def next_batch(self, device="cpu"):
-        """The next inputs and targets (B, T) on device. The B rows are gathered into one host buffer
-        (pinned on CUDA), sent in one non-blocking copy, and cut into inputs and targets there."""
+        """The next inputs and targets (B, T) on device. The B rows are gathered into one host
+        buffer (pinned on CUDA), sent in one non-blocking copy, and cut into inputs and targets
+        there."""
         B = self.B
         first = self.epoch * self.n_rows + self.pos + self.rank * B
-        buf = torch.from_numpy(np.stack([self.row(first + b) for b in range(B)]).astype(np.int64))  # (B, T+1)
-        self.epoch, self.pos = divmod(self.epoch * self.n_rows + self.pos + self.world_size * B, self.n_rows)
-        if torch.device(device).type == "cuda":  # the host goes on to the next work while the copy runs
+        # (B, T+1)
+        buf = torch.from_numpy(np.stack([self.row(first + b) for b in range(B)]).astype(np.int64))
+        self.epoch, self.pos = divmod(self.epoch * self.n_rows + self.pos + self.world_size * B,
+                                      self.n_rows)
+        # the host goes on to the next work while the copy runs
+        if torch.device(device).type == "cuda":
             buf = buf.pin_memory().to(device, non_blocking=True)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # inputs (B, T), targets (B, T)
 
@@ -186,87 +205,99 @@ class TokenLoader:
 
     def identity(self):
         """What the position means: the rows and their order."""
-        return {"seq_len": self.T, "shuffle": self.shuffle, "seed": self.seed, "n_tokens": self.n_tokens,
-                "shards": [os.path.basename(p) for p in self.paths]}
+        return {"seq_len": self.T, "shuffle": self.shuffle, "seed": self.seed,
+                "n_tokens": self.n_tokens, "shards": [os.path.basename(p) for p in self.paths]}
 
     def load_state_dict(self, state, ckpt_path=None):
-        """Continue from a checkpoint's position; one it does not describe (other data, another order)
-        is refused with the ways on: its own data, or a new run (from scratch or from its weights,
-        ckpt_path)."""
+        """Continue from a checkpoint's position; one it does not describe (other data, another
+        order) is refused with the ways on: its own data, or a new run (from scratch or from its
+        weights, ckpt_path)."""
         theirs = {k: state.get(k) for k in self.identity()}
         if theirs != self.identity():
             key = next(k for k in theirs if theirs[k] != self.identity()[k])
             missing = [s for s in state.get("shards") or [] if s not in self.identity()["shards"]]
             mine = self.identity()
-            what = f"the checkpoint's train split: {len(state.get('shards') or [])} shard(s), " \
-                f"{state.get('n_tokens') or 0:,} tokens; this run's: {len(mine['shards'])} shard(s), " \
-                f"{mine['n_tokens']:,} tokens" if key in ("shards", "n_tokens") else \
-                f"the checkpoint's {key}={theirs[key]!r}, this run {mine[key]!r}"
+            what = f"the checkpoint's {key}={theirs[key]!r}, this run {mine[key]!r}"
+            if key in ("shards", "n_tokens"):
+                what = (f"the checkpoint's train split: {len(state.get('shards') or [])} shard(s), "
+                        f"{state.get('n_tokens') or 0:,} tokens; this run's: "
+                        f"{len(mine['shards'])} shard(s), {mine['n_tokens']:,} tokens")
             if missing:
                 more = " ..." if len(missing) > 3 else ""
                 what += f"; not here: {', '.join(missing[:3])}{more}"
             raise UserError(f"the checkpoint's data order differs from this run's ({what}): "
-                            "resume with the data and the seq_len, shuffle and seed it was trained with, or train on "
-                            "this data in a new run: --out_dir=<a new folder>, from its weights with "
-                            f"--init_from={ckpt_path or '<its ckpt_*.pt>'} --out_dir=<a new folder>")
+                            "resume with the data and the seq_len, shuffle and seed it was trained "
+                            "with, or train on this data in a new run: --out_dir=<a new folder>, "
+                            f"from its weights with --init_from={ckpt_path or '<its ckpt_*.pt>'} "
+                            "--out_dir=<a new folder>")
         self.epoch, self.pos = state["epoch"], state["pos"]
 
 # -----------------------------------------------------------------------------
 # your own text: --data=PATH tokenized once into a cache beside out_dir
 
 
-CACHE_FILE = "sources.json"  # what the cache was made from: its files' sizes and mtimes, and the split rule
-SPLIT = "v2: per text"  # recorded in CACHE_FILE: a cache split by the old rule (by a run's seq_len) is made again
-VAL_TOKENS, VAL_FRACTIONS = 2**15, (0.01, 0.1)  # val: 32K tokens, but at least 1% and at most 10% of the text
+# what the cache was made from: its files' sizes and mtimes, and the split rule
+CACHE_FILE = "sources.json"
+# recorded in CACHE_FILE: a cache split by the old rule (by a run's seq_len) is made again
+SPLIT = "v2: per text"
+# val: 32K tokens, but at least 1% and at most 10% of the text
+VAL_TOKENS, VAL_FRACTIONS = 2**15, (0.01, 0.1)
 MIN_CHUNK = 2**20  # tokens: a text under ~4 MB is one chunk, its val split one shard
 
 
 def source_files(data):
-    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in it,
-    at any depth, sorted; empty and hidden ones skipped) or a glob pattern."""
+    """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in
+    it, at any depth, sorted; empty and hidden ones skipped) or a glob pattern."""
     if glob.has_magic(data):
-        paths = sorted(p for p in glob.glob(os.path.expanduser(data), recursive=True) if os.path.isfile(p))
+        paths = sorted(p for p in glob.glob(os.path.expanduser(data),
+                                            recursive=True) if os.path.isfile(p))
         if not paths:
             raise UserError(f"--data={data}: no files match that pattern")
     elif os.path.isdir(data):
         paths = shards.folder_files(data)  # the files fineweb.py --source=FOLDER reads
         skipped = unknown_files(data)
-        if skipped:  # named, so that a file the user meant to train on is not left out without a word
-            print0(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, .jsonl, .json or "
+        # named, so that a file the user meant to train on is not left out without a word
+        if skipped:
+            print0(f"data: skipping {len(skipped)} file(s) in {data} that are not .txt, .md, .py, "
+                   ".jsonl, .json or "
                   f".parquet: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
         if not paths:
-            raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, .json or "
-                            ".parquet files")
+            raise UserError(f"--data={data}: the folder holds no non-empty .txt, .md, .py, .jsonl, "
+                            ".json or .parquet files")
     elif os.path.isfile(data):
         paths = [data]
     else:
         raise UserError(f"--data={data}: no such file or folder")
     for p in paths:
         if not shards.known_kind(p):
-            raise UserError(f"--data: {p} is not .txt, .md, .py, .jsonl, .json or .parquet (optionally compressed)")
+            raise UserError(f"--data: {p} is not .txt, .md, .py, .jsonl, .json or .parquet "
+                            "(optionally compressed)")
         if os.path.getsize(p) == 0:
             raise UserError(f"--data: {p} is empty")
     return [os.path.abspath(p) for p in paths]
 
 
 def unknown_files(folder):
-    """The files of a folder (hidden ones aside) that --data leaves out for their kind (.csv, .png, none)."""
+    """The files of a folder (hidden ones aside) that --data leaves out for their kind (.csv, .png,
+    none)."""
     found = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # as shards.folder_files walks it
+        # as shards.folder_files walks it
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [os.path.relpath(os.path.join(root, f), folder) for f in sorted(files)
                   if not f.startswith(".") and not shards.known_kind(f)]
     return found
 
 
 def own_text_dir(data, out_dir):
-    """Where --data is tokenized: data_cache/<name>-<hash of the path> in out_dir's parent folder, e.g.
-    out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data share
-    it."""
+    """Where --data is tokenized: data_cache/<name>-<hash of the path> in out_dir's parent folder,
+    e.g. out/data_cache/my_book.txt-1a2b3c4d for out_dir=out/quickstart; runs on the same --data
+    share it."""
     spec = os.path.abspath(os.path.expanduser(data))
     name = re.sub(r"[^\w.-]+", "_", os.path.basename(spec.rstrip(os.sep))).strip("_.") or "data"
     parent = os.path.dirname(os.path.normpath(out_dir)) or "."
-    return os.path.join(parent, "data_cache", f"{name[:40]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+    return os.path.join(parent, "data_cache",
+                        f"{name[:40]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
 
 
 def split_rows(cache, T):
@@ -278,10 +309,11 @@ def split_rows(cache, T):
 
 
 def split_plan(size):
-    """(shard_size, val_fraction) for a text of size bytes: ~8 chunks of at least MIN_CHUNK tokens, the
-    head of each val. Decided by the text alone, never by a run's seq_len or batch, so that every
-    run on the cache reads the same val tokens and its val losses compare."""
-    est = max(1, size // 4)  # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
+    """(shard_size, val_fraction) for a text of size bytes: ~8 chunks of at least MIN_CHUNK tokens,
+    the head of each val. Decided by the text alone, never by a run's seq_len or batch, so that
+    every run on the cache reads the same val tokens and its val losses compare."""
+    # tokens, about (4 bytes a token in English; fewer in code, more in parquet)
+    est = max(1, size // 4)
     low, high = VAL_FRACTIONS
     return min(10**8, max(est // 8, MIN_CHUNK)), max(low, min(high, VAL_TOKENS / est))
 
@@ -293,19 +325,21 @@ def check_rows(data, cache, T, rows):
         if have[split] < rows:
             with open(os.path.join(cache, shards.MANIFEST)) as f:
                 tokens = sum(s["tokens"] for s in json.load(f)["shards"] if s["split"] == split)
-            raise UserError(f"--data={data}: its {split} split is {tokens:,} tokens (the split is fixed by the text), "
-                            f"{have[split]} row(s) of {T} + 1, fewer than the {rows} of one batch: add text, or lower "
-                            "micro_batch_size or seq_len")
+            raise UserError(f"--data={data}: its {split} split is {tokens:,} tokens (the split is "
+                            "fixed by the text), "
+                            f"{have[split]} row(s) of {T} + 1, fewer than the {rows} of one batch: "
+                            "add text, or lower micro_batch_size or seq_len")
 
 
 def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
-    """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes and
-    mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1 tokens.
-    A new cache is built aside and swapped in only when this run can use it: an error leaves nothing
-    behind. resume: the checkpoint this run continues ({"path", "step", "loader"}), whose tokens are
-    never replaced by other ones (an edited text: text_changed)."""
+    """Tokenizes --data into the cache folder unless it holds it already (files of the same sizes
+    and mtimes, split by this SPLIT rule), then checks that each split holds `rows` rows of T+1
+    tokens. A new cache is built aside and swapped in only when this run can use it: an error leaves
+    nothing behind. resume: the checkpoint this run continues ({"path", "step", "loader"}), whose
+    tokens are never replaced by other ones (an edited text: text_changed)."""
     files = source_files(data)
-    stamp = {"data": data, "files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
+    stamp = {"data": data, "files": [[p, os.path.getsize(p),
+                                      os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
              "text_column": text_column}
     try:
         with open(os.path.join(cache, CACHE_FILE)) as f:
@@ -321,19 +355,23 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
         check_rows(data, cache, T, rows)
         print0(f"data: {data} as tokenized before, in {cache}")
         return
-    if os.path.isdir(cache):  # ours (made here) but stale: replaced as a whole rather than mixed with old shards
+    # ours (made here) but stale: replaced as a whole rather than mixed with old shards
+    if os.path.isdir(cache):
         ours = {CACHE_FILE, shards.MANIFEST, *shards.loose_shards(cache)}
         if any(f not in ours and not f.endswith(".tmp") for f in os.listdir(cache)):
-            raise UserError(f"{cache} holds files this trainer did not write: move it away, then run again")
+            raise UserError(f"{cache} holds files this trainer did not write: move it away, then "
+                            "run again")
     size = sum(s for _, s, _ in stamp["files"])
     print0(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
-    made = missing_dirs(os.path.dirname(os.path.abspath(cache)))  # the folders above cache: removed on a failure
+    # the folders above cache: removed on a failure
+    made = missing_dirs(os.path.dirname(os.path.abspath(cache)))
     if made:
         os.makedirs(made[0])
     try:
         with replacing_dir(cache) as tmp:
             said = io.StringIO()
-            with contextlib.redirect_stdout(said):  # fineweb.py's lines name the temp folder: the cache's name
+            # fineweb.py's lines name the temp folder: the cache's name
+            with contextlib.redirect_stdout(said):
                 tokenize_into(files, tmp, *split_plan(size), text_column)
             print0(said.getvalue().replace(tmp, cache), end="")
             check_rows(data, tmp, T, rows)
@@ -346,9 +384,9 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
 
 
 def text_changed(data, cache, new, resume):
-    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained on
-    the cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay, so
-    the run can still continue on them. A text that tokenizes the same (only touched), or a cache
+    """UserError, before the cache is replaced, when the checkpoint a run resumes from was trained
+    on the cache's tokens and the text now tokenizes to others (it was edited): the old tokens stay,
+    so the run can still continue on them. A text that tokenizes the same (only touched), or a cache
     the checkpoint was not trained on, passes."""
     try:
         old = shards.load_manifest(cache)
@@ -357,7 +395,8 @@ def text_changed(data, cache, new, resume):
     if old is None:
         return
     made = shards.load_manifest(new)
-    if [(s["name"], s["sha256"]) for s in old["shards"]] == [(s["name"], s["sha256"]) for s in made["shards"]]:
+    if [(s["name"], s["sha256"]) for s in old["shards"]] == [(s["name"],
+                                                              s["sha256"]) for s in made["shards"]]:
         return
     state = resume["loader"]
 
@@ -367,30 +406,35 @@ def text_changed(data, cache, new, resume):
     (names, tokens), (new_names, new_tokens) = train_split(old), train_split(made)
     if state.get("shards") != names or state.get("n_tokens") != tokens:
         return  # the checkpoint's tokens are not the cache's: nothing of it to keep
-    raise UserError(f"--data={data} changed since {resume['path']} (step {resume['step']}) was trained on it: "
-                    f"the checkpoint's train split is {len(names)} shard(s), {tokens:,} tokens (the earlier text, "
-                    f"still tokenized in {cache}), the text now gives {len(new_names)} shard(s), {new_tokens:,} "
-                    f"tokens: to continue that run, put the earlier text back or resume on its tokens with "
-                    f"--data_dir={cache} in place of --data; to train on the new text, start a new run from its "
-                    f"weights: --init_from={resume['path']} --out_dir=<a new folder>")
+    raise UserError(f"--data={data} changed since {resume['path']} (step {resume['step']}) was "
+                    f"trained on it: the checkpoint's train split is {len(names)} shard(s), "
+                    f"{tokens:,} tokens (the earlier text, "
+                    f"still tokenized in {cache}), the text now gives {len(new_names)} shard(s), "
+                    f"{new_tokens:,} tokens: to continue that run, put the earlier text back or "
+                    "resume on its tokens with "
+                    f"--data_dir={cache} in place of --data; to train on the new text, start a new "
+                    f"run from its weights: --init_from={resume['path']} --out_dir=<a new folder>")
 
 
 def tokenize_into(files, out_dir, shard_size, val_fraction, text_column="text"):
-    shards.build(out_dir, source=files, prefix="text", shard_size=shard_size, val_fraction=val_fraction,
-                 text_column=text_column)
+    shards.build(out_dir, source=files, prefix="text", shard_size=shard_size,
+                 val_fraction=val_fraction, text_column=text_column)
 
 # -----------------------------------------------------------------------------
 # the quickstart corpus: Python's own help pages and standard library, offline
 
 
-PYTHON_SHARD_SIZE = 820_000  # tokens a chunk: 6 on Python 3.11, each full one's val head 2 rows of seq_len 1024
-PYTHON_VAL_FRACTION = 0.0025  # 2,050 val tokens a chunk, 10.7K in all (10 rows of 1025, 83 of 129), along the corpus
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings", "pydoc_data", "__pycache__"}
+# tokens a chunk: 6 on Python 3.11, each full one's val head 2 rows of seq_len 1024
+PYTHON_SHARD_SIZE = 820_000
+# 2,050 val tokens a chunk, 10.7K in all (10 rows of 1025, 83 of 129), along the corpus
+PYTHON_VAL_FRACTION = 0.0025
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings",
+             "pydoc_data", "__pycache__"}
 
 
 def python_sources():
-    """The standard library's .py files, sorted; without its tests, IDLE, the codec tables and the help
-    topics' module (those come as text) and installed packages."""
+    """The standard library's .py files, sorted; without its tests, IDLE, the codec tables and the
+    help topics' module (those come as text) and installed packages."""
     stdlib, paths = sysconfig.get_paths()["stdlib"], []
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
@@ -399,27 +443,30 @@ def python_sources():
 
 
 def prepare_python_corpus(data_dir):
-    """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics) and
-    the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through fineweb.py;
-    val is the head of each chunk, 0.25% in all, in pieces that hold rows of seq_len 1024 (10 on
-    3.11). Only into a folder that is missing or empty (or holds an unfinished build of it); one
-    with shards is left as it is."""
+    """The quickstart's corpus in data_dir: the topic pages of Python's help() (pydoc_data.topics)
+    and the standard library's own .py sources, 4.27M GPT-2 tokens on Python 3.11, through
+    fineweb.py; val is the head of each chunk, 0.25% in all, in pieces that hold rows of seq_len
+    1024 (10 on 3.11). Only into a folder that is missing or empty (or holds an unfinished build of
+    it); one with shards is left as it is."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         return  # a file: shard_paths() says what to do instead
     manifest = os.path.join(data_dir, shards.MANIFEST)
-    if has_shards(data_dir) and (not os.path.exists(manifest) or shards.load_manifest(data_dir).get("complete")):
+    if has_shards(data_dir) and (not os.path.exists(manifest)
+                                 or shards.load_manifest(data_dir).get("complete")):
         broken = os.path.exists(manifest) and shards.startup_problems(data_dir)
         if not broken:
             return
         print0(f"{data_dir}: {broken[0]}: building the quickstart corpus again from there")
     foreign = os.path.isdir(data_dir) and set(os.listdir(data_dir)) - {"source", shards.MANIFEST}
     if foreign and not has_shards(data_dir):
-        raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the quickstart corpus "
-                        f"is not built into it: to train on the text in it, use --data={data_dir}")
+        raise UserError(f"data_dir {data_dir!r} holds no token shards, and it is not empty, so the "
+                        "quickstart corpus is not built into it: to train on the text in it, use "
+                        f"--data={data_dir}")
     try:
         from pydoc_data.topics import topics
     except ImportError as e:
-        raise UserError(f"cannot build the quickstart corpus: {e} (Python's pydoc_data is needed)") from None
+        raise UserError(f"cannot build the quickstart corpus: {e} (Python's pydoc_data is "
+                        "needed)") from None
     src = os.path.join(data_dir, "source")
     os.makedirs(src, exist_ok=True)
     files = []
@@ -436,7 +483,8 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text", resume=None):
+def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text",
+            resume=None):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each
     split checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint
     resumed from, when the text changed), the quickstart corpus (data_source="python"), or data_dir
@@ -478,7 +526,7 @@ def make_loaders(cfg, data_dir, B, T, env, vocab_size):
     val = TokenLoader(data_dir, "val", B, T, env.rank, world, vocab_size, shuffle=False)
     rows, most = cfg.val_steps * B * world, max(1, val.n_rows // (B * world))
     if cfg.val_steps > most:
-        print0(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val split "
-               f"holds {val.n_rows:,}: evaluating val_steps={most} instead ({most * B * world:,} rows, "
-               "each at most once)")
+        print0(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val "
+               f"split holds {val.n_rows:,}: evaluating val_steps={most} instead "
+               f"({most * B * world:,} rows, each at most once)")
     return train, val, min(cfg.val_steps, most)

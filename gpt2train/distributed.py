@@ -1,9 +1,9 @@
 """
 The launcher's environment, read once, and what the ranks of a torchrun launch do together.
 
-    env = DistEnv.from_environ()        # RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (torchrun's), once, in main
-    startup = init(env, device, timeout)  # the training process group, and a gloo group for start-up waits
-    data_dir = rank0_first(prepare, env, startup)   # rank 0 builds, the others then read; a failure stops all
+    env = DistEnv.from_environ()     # torchrun's RANK, LOCAL_RANK, WORLD_SIZE, ...: once, in main
+    startup = init(env, device, timeout)    # the process group, and a gloo group for start-up waits
+    data_dir = rank0_first(prepare, env, startup)   # rank 0 builds, then the others read
     n = agree(value, "max", device)      # the same number on every rank
     teardown()
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from gpt2train.fileio import UserError
 
-STARTUP_TIMEOUT = datetime.timedelta(hours=24)  # the ranks wait this long for rank 0's data prep, not dist_timeout
+# the ranks wait this long for rank 0's data prep, not dist_timeout
+STARTUP_TIMEOUT = datetime.timedelta(hours=24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,10 @@ class DistEnv:
     @classmethod
     def from_environ(cls, environ=None):
         e = os.environ if environ is None else environ
-        return cls(ddp="RANK" in e, rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
-                   world_size=int(e.get("WORLD_SIZE", 1)), local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)))
+        return cls(ddp="RANK" in e, rank=int(e.get("RANK", 0)),
+                   local_rank=int(e.get("LOCAL_RANK", 0)),
+                   world_size=int(e.get("WORLD_SIZE", 1)),
+                   local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)))
 
     @property
     def master(self):
@@ -48,7 +51,8 @@ class DistEnv:
         return self.world_size // self.local_world_size
 
     def command(self, script, argv):
-        """The command line that continues this run (script with argv, --resume=true), as typed from here."""
+        """The command line that continues this run (script with argv, --resume=true), as typed from
+        here."""
         args = [a for a in argv if not a.startswith("--resume=")] + ["--resume=true"]
         launcher = [os.path.basename(sys.executable)]
         if self.ddp:
@@ -59,14 +63,15 @@ class DistEnv:
     def shutdown_grace_note(self, took):
         """A note when a stop (the step in progress, then a save: took seconds) outlasts the grace
         torchrun gives its workers between passing on a stop signal and SIGKILL; "" otherwise."""
-        grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
+        grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+                      or os.environ.get("PET_SHUTDOWN_TIMEOUT") or 30)
         if not self.ddp or took <= grace:
             return ""
-        return (f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun gives the workers "
-                f"between passing on a stop signal and SIGKILL: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
-                f"{max(60, math.ceil(2 * took / 10) * 10)} for torchrun (a torch whose torchrun has "
-                f"--shutdown-timeout), "
-                f"or a stop may lose the steps since the last checkpoint")
+        return (f"note: a step and a save take {took:.0f} s, more than the {grace:.0f} s torchrun "
+                "gives the workers between passing on a stop signal and SIGKILL: set "
+                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(60, math.ceil(2 * took / 10) * 10)} for "
+                "torchrun (a torch whose torchrun has --shutdown-timeout), or a stop may lose the "
+                "steps since the last checkpoint")
 
 
 def init(env, device, timeout_s):
@@ -93,19 +98,24 @@ def teardown():
         dist.destroy_process_group()
 
 
+def rank():
+    """This process's rank in the default process group: 0 without one (no torchrun)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def agree(value, op, device, group=None):
     """The same number on every DDP rank: all_reduce with op ('max' or 'min') over group (None: all
     ranks, the default process group; a gloo group takes device "cpu"); unchanged without DDP."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)  # sync: .item()
-    return t.item()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
+    return t.item()  # sync
 
 
 def rank0_first(work, env, startup):
-    """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus, a
-    download in the cache). The ranks wait for each other in the start-up group (gloo,
+    """work() on rank 0 first, then on the other ranks, which use what it made (a tokenized corpus,
+    a download in the cache). The ranks wait for each other in the start-up group (gloo,
     STARTUP_TIMEOUT: tokenizing a large --data can outlast dist_timeout). Each turn ends with the
     ranks agreeing on the worst outcome, so a failure on any rank stops them all at once, with its
     exit code (2 bad input, 1 otherwise), instead of leaving the others waiting for a peer that is
@@ -125,12 +135,14 @@ def rank0_first(work, env, startup):
             code = 2 if isinstance(failure, UserError) else 1
         worst = int(agree(code, "max", "cpu", group=startup))
         if failure is not None:
-            if not env.master and isinstance(failure, (UserError, OSError)):  # main() says rank 0's errors only
+            # main() says rank 0's errors only
+            if not env.master and isinstance(failure, (UserError, OSError)):
                 print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
             raise failure
         if worst:
             why = f"stopped: {turn} failed at start-up; its error is in its output"
-            if not env.master and env.local_rank == 0:  # one line on each other node (rank 0 says its own)
+            # one line on each other node (rank 0 says its own)
+            if not env.master and env.local_rank == 0:
                 print(f"error: rank {env.rank}: {why}", file=sys.stderr)
             raise (UserError if worst == 2 else OSError)(why)
     return result
@@ -148,23 +160,25 @@ def over_ranks(loss, asks, env):
     None)."""
     if not env.ddp:
         return OverRanks(loss, None)
-    stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])  # no host-to-device copy
+    # no host-to-device copy
+    stats = torch.stack([loss] + [torch.full_like(loss, ask) for ask in asks])
     dist.all_reduce(stats)
     return OverRanks(stats[0] / env.world_size, stats[1:])
 
 
 def peer_failure_line(e, rank):
-    """The error line for a peer that stopped answering (dist_timeout) or went away (peer_failure(e))."""
+    """The error line for a peer that stopped answering (dist_timeout) or went away
+    (peer_failure(e))."""
     why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-    return (f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): check "
-            "that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the checkpoints "
-            "written so far are intact, continue with --resume=auto")
+    return (f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): "
+            "check that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the "
+            "checkpoints written so far are intact, continue with --resume=auto")
 
 
 def peer_failure(e):
-    """Whether a RuntimeError is a collective that failed for want of a peer: torch.distributed's own
-    errors, and the backends' timeouts and closed connections that DDP's reducer raises as plain
+    """Whether a RuntimeError is a collective that failed for want of a peer: torch.distributed's
+    own errors, and the backends' timeouts and closed connections that DDP's reducer raises as plain
     RuntimeErrors."""
     return isinstance(e, dist.DistError) or any(s in str(e) for s in (
-        "Timed out waiting", "Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
-        "Watchdog caught collective operation timeout"))
+        "Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+        "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))

@@ -2,10 +2,10 @@
 What stops a run before max_steps: stop signals, the time limit, optimizer steps skipped in a row,
 divergence; and the lines that say so.
 
-    signals = catch_stop_signals(notice)    # the first SIGINT/SIGTERM is noted and answered: the loop saves
-    asks = stop_asks(signals, progress, minutes)    # this rank's Asks after a step (Asks.read: every rank's)
-    guard = Guard(z, max_skipped, state)    # after a step: guard.update(loss, norm, applied) -> stop?
-    raise Diverged(f"...; {remedy(cfg)}")   # one line, exit code 3
+    signals = catch_stop_signals(notice)  # the first SIGINT/SIGTERM: noted, answered, then a save
+    asks = stop_asks(signals, progress, minutes)  # this rank's Asks after a step (Asks.read: all's)
+    guard = Guard(z, max_skipped, state)  # after a step: guard.update(loss, norm, applied) -> stop?
+    raise Diverged(f"...; {remedy(cfg)}")  # one line, exit code 3
 
 Imports nothing of the project.
 """
@@ -35,17 +35,18 @@ class Stopped(KeyboardInterrupt):
 def remedy(cfg):
     """What to try after a divergence, for this config."""
     clip = "lower grad_clip (e.g. 0.5)" if cfg.grad_clip > 0 else "set grad_clip=1.0"
-    return f"lower max_lr{' and muon_lr' if cfg.optimizer == 'muon' else ''} or {clip} and start again"
+    muon = " and muon_lr" if cfg.optimizer == "muon" else ""
+    return f"lower max_lr{muon} or {clip} and start again"
 
 
 def catch_stop_signals(notice=None):
-    """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after the
-    current optimizer step, or an evaluation at its next batch, and saves) and answered at once with
-    the line notice(signum) returns (None: nothing said); a second one raises Stopped wherever the
-    loop is (a save in progress leaves its .tmp, never a broken file under a checkpoint's name). The
-    loop ignores both once its last checkpoint is written; main() puts the previous handlers back.
-    The line goes straight to stderr's file descriptor: a print inside a handler can collide with
-    one in progress."""
+    """From here on, the first SIGINT/SIGTERM is noted in the returned list (the loop stops after
+    the current optimizer step, or an evaluation at its next batch, and saves) and answered at once
+    with the line notice(signum) returns (None: nothing said); a second one raises Stopped wherever
+    the loop is (a save in progress leaves its .tmp, never a broken file under a checkpoint's name).
+    The loop ignores both once its last checkpoint is written; main() puts the previous handlers
+    back. The line goes straight to stderr's file descriptor: a print inside a handler can collide
+    with one in progress."""
     got = []
 
     def handler(signum, frame):
@@ -64,11 +65,12 @@ def catch_stop_signals(notice=None):
 
 
 class Guard:
-    """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops the
-    run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or gradient
-    norm is more than z standard deviations above its mean over the last OUTLIER_WINDOW steps (the
-    test starts once the window is full; every finite step goes into it, llm.c-style, so a lasting
-    shift is absorbed). Its state is saved in checkpoints: a resumed run skips the same steps."""
+    """Counts optimizer steps skipped in a row (inf/nan loss or gradients, or outliers) and stops
+    the run after max_skipped of them. With z > 0 it flags as an outlier a step whose loss or
+    gradient norm is more than z standard deviations above its mean over the last OUTLIER_WINDOW
+    steps (the test starts once the window is full; every finite step goes into it, llm.c-style, so
+    a lasting shift is absorbed). Its state is saved in checkpoints: a resumed run skips the same
+    steps."""
 
     def __init__(self, z, max_skipped, state=None):
         self.z, self.max_skipped = z, max_skipped
@@ -77,7 +79,8 @@ class Guard:
         self.in_a_row = state.get("in_a_row", 0)
 
     def is_outlier(self, loss, norm):
-        return self.z > 0 and any(zscore(self.history[k], v) > self.z for k, v in (("loss", loss), ("norm", norm)))
+        pairs = (("loss", loss), ("norm", norm))
+        return self.z > 0 and any(zscore(self.history[k], v) > self.z for k, v in pairs)
 
     def update(self, loss, norm, applied):
         """After a step: True when it was the max_skipped-th skipped in a row."""
@@ -88,13 +91,15 @@ class Guard:
         return 0 < self.max_skipped <= self.in_a_row
 
     def state_dict(self):
-        return {"loss": list(self.history["loss"]), "norm": list(self.history["norm"]), "in_a_row": self.in_a_row}
+        return {"loss": list(self.history["loss"]), "norm": list(self.history["norm"]),
+                "in_a_row": self.in_a_row}
 
     def diverged(self, why, step, newest, cfg):
         """The Diverged that stops a run after max_skipped steps skipped in a row (the last at step,
         for why), naming the newest checkpoint and what to try."""
-        return Diverged(f"the run diverged: {self.in_a_row} optimizer steps in a row were skipped ({why}), "
-                        f"the last at step {step} (newest checkpoint: {newest or 'none'}); {remedy(cfg)}")
+        return Diverged(f"the run diverged: {self.in_a_row} optimizer steps in a row were skipped "
+                        f"({why}), the last at step {step} (newest checkpoint: "
+                        f"{newest or 'none'}); {remedy(cfg)}")
 
 
 def zscore(window, x):
@@ -111,7 +116,8 @@ def zscore(window, x):
 
 
 class Asks(NamedTuple):
-    """What a rank asks for after an optimizer step (stop_asks), or what any rank asked for (read)."""
+    """What a rank asks for after an optimizer step (stop_asks), or what any rank asked for
+    (read)."""
     signals: tuple  # one per STOP_SIGNALS: caught?
     out_of_time: bool  # too little time left for a step and a save (time_limit)
     clock_due: bool  # a save by the clock (checkpoint_minutes) is due
@@ -142,8 +148,8 @@ def stop_asks(signals, progress, checkpoint_minutes):
 
 
 def stop_notice(progress, sig):
-    """The line the first SIGINT/SIGTERM is answered with at once (the signal handler writes it): what
-    the run does now, and what a second signal costs."""
+    """The line the first SIGINT/SIGTERM is answered with at once (the signal handler writes it):
+    what the run does now, and what a second signal costs."""
     name, step, lost = signal.Signals(sig).name, progress.at, progress.at - progress.saved_step
     if progress.phase == "end":
         now, lost = f"the final evaluation stops at its next batch (step {step} is saved)", 0
@@ -161,20 +167,23 @@ def stopped_line(sig, time_limit, step, in_eval, path, command):
     or in the evaluation at step, what was saved (path) and the command that continues."""
     reason = signal.Signals(sig).name if sig else f"time_limit={time_limit:g} min"
     if not path:
-        return f"{reason}: stopped in the evaluation at step {step}: nothing trained yet, nothing saved"
+        return (f"{reason}: stopped in the evaluation at step {step}: nothing trained yet, "
+                "nothing saved")
     where = f" (in the evaluation at step {step})" if in_eval else ""
     return f"{reason}: stopped after step {step - 1}{where}, saved {path}; resume with: {command}"
 
 
 def end_stopped_line(sig, newest):
     """The line for a signal that stopped the final evaluation (the run is saved, in newest)."""
-    return f"{signal.Signals(sig).name}: the final evaluation stopped (not logged); the run is saved{_in(newest)}"
+    return (f"{signal.Signals(sig).name}: the final evaluation stopped (not logged); the run is "
+            f"saved{_in(newest)}")
 
 
 def end_failed_line(what, e, newest):
-    """The warning for optional end-of-run work (what) that raised e: the run is saved all the same."""
-    return (f"warning: {what} failed ({type(e).__name__}: {str(e).strip()[:200]}); the run itself is "
-            f"saved{_in(newest)}")
+    """The warning for optional end-of-run work (what) that raised e: the run is saved all the
+    same."""
+    return (f"warning: {what} failed ({type(e).__name__}: {str(e).strip()[:200]}); the run itself "
+            f"is saved{_in(newest)}")
 
 
 def _in(newest):
@@ -183,5 +192,5 @@ def _in(newest):
 
 def interrupted_line(signum):
     """The line for a stop before training began, or a second one while stopping: nothing saved."""
-    return (f"{signal.Signals(signum).name}: stopped at once, nothing saved (the checkpoints in out_dir "
-            "are as they were)")
+    return (f"{signal.Signals(signum).name}: stopped at once, nothing saved (the checkpoints in "
+            "out_dir are as they were)")

@@ -9,9 +9,9 @@ summary.
     warn0("torch.compile failed ...")   # the same, as "warning: ..."
     with redirect0(sys.stderr): ...     # print0's lines to stderr (sample.py), or None: nowhere
 
-    python train_gpt2.py configs/quickstart.py --tensorboard=true        # then: tensorboard --logdir out
+    python train_gpt2.py configs/quickstart.py --tensorboard=true   # then: tensorboard --logdir out
     WANDB_MODE=offline python train_gpt2.py configs/quickstart.py --wandb_project=gpt2
-    wandb sync out/quickstart/wandb/offline-run-*                        # later, from a machine with network
+    wandb sync out/quickstart/wandb/offline-run-*    # later, from a machine with network
 
 Neither package is needed unless asked for: each is imported only then, and a missing one stops the
 run at start-up with one line that says how to install it. W&B reads its usual environment
@@ -48,8 +48,8 @@ def set_rank(rank):
 
 
 def print0(*args, file=None, **kwargs):
-    """print() on rank 0, to file, else redirect0's stream, else stdout (as it is at the call: pytest
-    swaps it)."""
+    """print() on rank 0, to file, else redirect0's stream, else stdout (as it is at the call:
+    pytest swaps it)."""
     stream = file or (STREAM[-1] if STREAM else sys.stdout)
     if RANK == 0 and stream is not None:
         print(*args, file=stream, **kwargs)
@@ -62,8 +62,8 @@ def warn0(text):
 
 @contextlib.contextmanager
 def redirect0(stream):
-    """print0's lines go to stream inside the block (None: nowhere), e.g. sample.py's status lines to
-    stderr, the text alone on stdout."""
+    """print0's lines go to stream inside the block (None: nowhere), e.g. sample.py's status lines
+    to stderr, the text alone on stdout."""
     STREAM.append(stream)
     try:
         yield
@@ -73,7 +73,8 @@ def redirect0(stream):
 # -----------------------------------------------------------------------------
 # the dashboards: optional packages, asked for by config keys
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb_project": "wandb"}  # config key -> the package it needs
+# config key -> the package it needs
+PACKAGES = {"tensorboard": "tensorboard", "wandb_project": "wandb"}
 
 
 def check_packages(**asked):
@@ -87,17 +88,20 @@ def check_packages(**asked):
 
 
 def load(key):
-    """The package (module) a dashboard key needs, imported now, or the same one line when it cannot be."""
+    """The package (module) a dashboard key needs, imported now, or the same one line when it cannot
+    be."""
     check_packages(**{key: True})
     try:
-        return importlib.import_module("torch.utils.tensorboard" if key == "tensorboard" else PACKAGES[key])
+        name = "torch.utils.tensorboard" if key == "tensorboard" else PACKAGES[key]
+        return importlib.import_module(name)
     except ImportError as e:
         raise UserError(f"{key} needs the {PACKAGES[key]} package, which does not import ({e}): "
                         f"`pip install -U {PACKAGES[key]}`, or leave {key} unset") from None
 
 
 def read_kept(path):
-    """The {"project", "id"} of out_dir's W&B run, or {} when there is none (or it is not readable)."""
+    """The {"project", "id"} of out_dir's W&B run, or {} when there is none (or it is not
+    readable)."""
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -113,12 +117,14 @@ class RunLog:
     ...} as log.jsonl holds it; the extra scalars (MFU, memory) go to the dashboards only, so that
     log.jsonl keeps its fields."""
 
-    def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name="", resumed=False):
+    def __init__(self, out_dir, config, tensorboard=False, wandb_project="", wandb_run_name="",
+                 resumed=False):
         """resumed: the run continues from a checkpoint in out_dir, so its W&B run (its id kept in
         out_dir/wandb_run.json) goes on, instead of a new one starting with the steps since the
         resume."""
         self.path = os.path.join(out_dir, "log.jsonl")
-        self.file = open(self.path, "a", buffering=1)  # kept open for the run; line-buffered: each row lands whole
+        # kept open for the run; line-buffered: each row lands whole
+        self.file = open(self.path, "a", buffering=1)
         tb = load("tensorboard") if tensorboard else None
         wandb = load("wandb_project") if wandb_project else None
         self.tb = tb.SummaryWriter(log_dir=out_dir, flush_secs=30) if tb else None
@@ -126,18 +132,22 @@ class RunLog:
         if wandb:
             keep = os.path.join(out_dir, "wandb_run.json")
             previous = read_kept(keep) if resumed else {}
-            again = dict(id=previous["id"], resume="allow") if previous.get("project") == wandb_project else {}
+            again = {}
+            if previous.get("project") == wandb_project:
+                again = dict(id=previous["id"], resume="allow")
             try:
-                self.wandb = wandb.init(project=wandb_project, name=wandb_run_name or None, dir=out_dir, config=config,
-                                        **again)
+                self.wandb = wandb.init(project=wandb_project, name=wandb_run_name or None,
+                                        dir=out_dir, config=config, **again)
             except Exception as e:  # no account, no network, a bad project name: the user's to fix
-                raise UserError(f"wandb_project={wandb_project!r}: wandb.init failed ({type(e).__name__}: {e}); "
-                                "set WANDB_MODE=offline to log without network (then `wandb sync`)") from None
+                raise UserError(f"wandb_project={wandb_project!r}: wandb.init failed "
+                                f"({type(e).__name__}: {e}); set WANDB_MODE=offline to log without "
+                                "network (then `wandb sync`)") from None
             write_json(keep, {"project": wandb_project, "id": self.wandb.id})
         atexit.register(self.close)  # flushed on every way out, an exception included
 
     def write(self, event, **extra):
-        with naming(self.path):  # (a full disk: one error line naming log.jsonl; the rows before stay whole)
+        # (a full disk: one error line naming log.jsonl; the rows before stay whole)
+        with naming(self.path):
             self.file.write(json.dumps(event) + "\n")
         scalars = {k: v for k, v in {**event, **extra}.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -162,8 +172,9 @@ class RunLog:
 
 
 def compile_notes(watch, step, runlog):
-    """Print each compiled graph that ran eagerly since the last step (watch: precision.CompileWatch,
-    or None) as one warning line, and write it as a "compile" row in log.jsonl (runlog, or None)."""
+    """Print each compiled graph that ran eagerly since the last step (watch:
+    precision.CompileWatch, or None) as one warning line, and write it as a "compile" row in
+    log.jsonl (runlog, or None)."""
     for line in watch.check() if watch else ():
         print0(line)
         if runlog:
@@ -171,8 +182,8 @@ def compile_notes(watch, step, runlog):
 
 
 def step_row(step, stepped, lrs, dt, tok_per_s):
-    """The log.jsonl row of an optimizer step (stepped: optim.Stepped; lrs: the base lrs, AdamW's and
-    Muon's); a norm JSON cannot hold (inf/nan) is null."""
+    """The log.jsonl row of an optimizer step (stepped: optim.Stepped; lrs: the base lrs, AdamW's
+    and Muon's); a norm JSON cannot hold (inf/nan) is null."""
     row = {"step": step, "loss": stepped.loss, "lr": lrs[0]}
     if len(lrs) > 1:
         row["muon_lr"] = lrs[1]
@@ -240,20 +251,20 @@ def fmt_duration(seconds):
 
 
 def micro_step_bar(grad_accum, master, stream=None):
-    """A bar over one optimizer step's micro-steps (call .update() after each) on rank 0's terminal: it
-    shows only once the step has run PROGRESS_DELAY seconds (tqdm's delay) and clears itself at the
-    end, so fast steps print nothing. Off on other ranks, for a single micro-step, and when stream
-    (stderr) is not a terminal, so log files and pipes never see it. (On a GPU it counts micro-steps
-    queued: the work itself may finish later.)"""
+    """A bar over one optimizer step's micro-steps (call .update() after each) on rank 0's terminal:
+    it shows only once the step has run PROGRESS_DELAY seconds (tqdm's delay) and clears itself at
+    the end, so fast steps print nothing. Off on other ranks, for a single micro-step, and when
+    stream (stderr) is not a terminal, so log files and pipes never see it. (On a GPU it counts
+    micro-steps queued: the work itself may finish later.)"""
     stream = stream or sys.stderr
     show = master and grad_accum > 1 and stream.isatty()
-    return tqdm(total=grad_accum, desc="micro-steps", unit="", file=stream, leave=False, dynamic_ncols=True,
-                delay=PROGRESS_DELAY, disable=not show)
+    return tqdm(total=grad_accum, desc="micro-steps", unit="", file=stream, leave=False,
+                dynamic_ncols=True, delay=PROGRESS_DELAY, disable=not show)
 
 
 def trim_log(path, step, keep_evals):
-    """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has no
-    duplicates: every row from step on, except the evals at step itself when the checkpoint was
+    """Before a run (re)starts at step: drop the log rows it will write again, so that log.jsonl has
+    no duplicates: every row from step on, except the evals at step itself when the checkpoint was
     written after them (keep_evals). Rows that do not parse (a line cut by a kill) are dropped too.
     """
     if not os.path.isfile(path):
@@ -298,7 +309,8 @@ def summary(run, progress):
            f"{fmt_duration(time.time() - run.started)}, {speed} | "
            f"checkpoint {progress.newest or 'none'}")
     if progress.newest:
-        print0(f"next: python sample.py --model {cfg.out_dir}          # text from the newest checkpoint\n"
+        print0(f"next: python sample.py --model {cfg.out_dir}          # text from the newest "
+               "checkpoint\n"
                f"      python export.py {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
                "  # a Hugging Face folder\n"
                f"      python plot.py {cfg.out_dir}                    # the curves: "

@@ -1,10 +1,11 @@
-"""The optimizers of a GPT and THE optimizer step that the trainer, bench.py and the micro-batch probes
-run.
+"""The optimizers of a GPT and THE optimizer step that the trainer, bench.py and the micro-batch
+probes run.
 
     from gpt2train import optim
-    optimizers = optim.build_optimizers(model, "muon", lr=6e-4, muon_lr=6e-3)   # [AdamW, Muon]
+    optimizers = optim.build_optimizers(model, "muon", lr=6e-4, muon_lr=6e-3)  # [AdamW, Muon]
     loss = optim.accumulate_gradients(model, loader, grad_accum, plan, scaler)  # forward/backward
-    stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss)
+    scale = optim.lr_multiplier(step, cfg)  # the schedule
+    stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, scale, loss)
 
 AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the
 rest ("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd):
@@ -28,7 +29,8 @@ OPTIMIZERS = ("adamw", "muon")
 MUON_LR = 6e-3  # with adjust_lr_fn="match_rms_adamw" Muon's lr lives on AdamW's scale (dev/muon.md)
 MUON_MOMENTUM = 0.95
 MUON_MOMENTUM_START = 0.85  # muon_momentum_warmup starts here (modded-nanogpt's 0.85 -> 0.95)
-MUON_SPLIT_QKV = True  # c_attn as q, k, v: -0.054 val (seed spread 0.017) in issue 33's ablation (dev/recipe.md)
+# c_attn as q, k, v: -0.054 val (seed spread 0.017) in issue 33's ablation (dev/recipe.md)
+MUON_SPLIT_QKV = True
 SCHEDULES = ("cosine", "linear", "wsd")
 MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
@@ -46,7 +48,8 @@ def ns_dtype_for(plan_dtype, device_type):
 
 
 def is_muon_param(name, p):
-    """The 2-D weight matrices inside the transformer blocks: qkv, attention projection, MLP fc and projection."""
+    """The 2-D weight matrices inside the transformer blocks: qkv, attention projection, MLP fc and
+    projection."""
     return name.startswith("transformer.h.") and p.dim() == 2 and name.endswith(MUON_MATRICES)
 
 
@@ -64,12 +67,13 @@ def split_params(model, optimizer="adamw"):
 
 
 def zeropower(G, ns_dtype=torch.float32, steps=5, coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7):
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack of
-    them (n, A, B), each on its own (batched matmuls: one launch per product for the whole stack),
-    in ns_dtype."""
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of G: a matrix (A, B) or a stack
+    of them (n, A, B), each on its own (batched matmuls: one launch per product for the whole
+    stack), in ns_dtype."""
     X = G.float()
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)  # (n, 1, 1) or (1, 1)
-    X = (X / norm.clamp(min=eps)).to(ns_dtype)  # normalized in fp32: fp16 can neither overflow nor underflow here
+    # normalized in fp32: fp16 can neither overflow nor underflow here
+    X = (X / norm.clamp(min=eps)).to(ns_dtype)
     tall = G.size(-2) > G.size(-1)
     X = newton_schulz(X.mT if tall else X, steps, coefficients)
     return X.mT if tall else X
@@ -87,7 +91,8 @@ def newton_schulz(X, steps, coefficients):
 
 
 def in_stack(X, i, n, tall):
-    """Matrices i..i+n-1 of a wide stack X (m, a, b) as (n, A, B): a view, transposed for a tall shape."""
+    """Matrices i..i+n-1 of a wide stack X (m, a, b) as (n, A, B): a view, transposed for a tall
+    shape."""
     return X[i:i + n].mT if tall else X[i:i + n]
 
 
@@ -101,13 +106,16 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
 
     def __init__(self, params, ns_dtype=torch.float32, split=(), **kwargs):
         if not hasattr(torch.optim, "Muon"):
-            raise UserError(f"optimizer='muon' needs torch >= {MUON_TORCH} (torch.optim.Muon); this is torch "
-                            f"{torch.__version__}: upgrade torch, or use optimizer='adamw'")
+            raise UserError(f"optimizer='muon' needs torch >= {MUON_TORCH} (torch.optim.Muon); "
+                            f"this is torch {torch.__version__}: upgrade torch, or use "
+                            "optimizer='adamw'")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype  # not in the state_dict: a resume on another device picks its own
-        self.split = {id(p): 3 for p in split}  # c_attn (3C, C) orthogonalized as q, k, v: three (C, C) (config's)
+        # c_attn (3C, C) orthogonalized as q, k, v: three (C, C) (config's)
+        self.split = {id(p): 3 for p in split}
         sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
-        self._step_supports_amp_scaling = not sharded  # FSDP: one matrix at a time, the skip decided on the host
+        # FSDP: one matrix at a time, the skip decided on the host
+        self._step_supports_amp_scaling = not sharded
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -126,19 +134,22 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                     self.step_one(group, p)
                 continue
             by_dtype = {}
-            for p in sorted(params, key=self.matrix_shape):  # stable: a shape's matrices side by side
+            # stable: a shape's matrices side by side
+            for p in sorted(params, key=self.matrix_shape):
                 by_dtype.setdefault((p.device, p.dtype, p.grad.dtype), []).append(p)
             for same in by_dtype.values():
                 new = [p for p in same if "momentum_buffer" not in self.state[p]]
                 if new:  # the first step: one zeros for them all, (A, B) views of it
-                    zeros = torch.zeros(sum(p.numel() for p in new), dtype=new[0].grad.dtype, device=new[0].device)
+                    zeros = torch.zeros(sum(p.numel() for p in new), dtype=new[0].grad.dtype,
+                                        device=new[0].device)
                     for p, buf in zip(new, zeros.split([p.numel() for p in new])):
                         self.state[p]["momentum_buffer"] = buf.view(p.shape)
                 self.step_flat(group, same, skip, grad_scale)
         return loss
 
     def matrix_shape(self, p):
-        """(A, B) of the matrices p is orthogonalized as: p's shape, or a third of its rows when split."""
+        """(A, B) of the matrices p is orthogonalized as: p's shape, or a third of its rows when
+        split."""
         k = self.split.get(id(p), 1)
         return p.shape[0] // k, p.shape[1]
 
@@ -150,7 +161,8 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         bufs = [self.state[p]["momentum_buffer"] for p in params]
         sizes = [p.numel() for p in params]
         G = torch.cat([p.grad.reshape(-1) for p in params])  # (N,): every gradient in a row
-        if grad_scale is not None:  # the GradScaler's, when it did not unscale these gradients itself
+        # the GradScaler's, when it did not unscale these gradients itself
+        if grad_scale is not None:
             G = G / grad_scale
         M = torch.cat([buf.reshape(-1) for buf in bufs])  # (N,)
         M_new = M.lerp(G, 1 - mu)
@@ -163,7 +175,8 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         P_new = P * (1 - lr * wd)
         for (A, B), rows, X in self.orthogonalized(group, params, update):  # X (n, A, B)
             ratio = adjusted_lr_ratio(group["adjust_lr_fn"], (A, B))
-            P_new[rows].view(-1, A, B).add_(X, alpha=-lr * ratio)  # X promoted to P's dtype inside the add
+            # X promoted to P's dtype inside the add
+            P_new[rows].view(-1, A, B).add_(X, alpha=-lr * ratio)
         if skip is not None:
             torch.where(skip, P, P_new, out=P_new)
         torch._foreach_copy_(params, [q.view(p.shape) for q, p in zip(P_new.split(sizes), params)])
@@ -180,14 +193,17 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
             offset += p.numel()
         wide = {}
         for (A, B), (n, start) in kinds.items():
-            wide.setdefault((min(A, B), max(A, B)), []).append(((A, B), slice(start, start + n * A * B), n))
+            rows = slice(start, start + n * A * B)
+            wide.setdefault((min(A, B), max(A, B)), []).append(((A, B), rows, n))
         for (a, b), members in wide.items():
-            X = torch.empty(sum(n for *_, n in members), a, b, dtype=self.ns_dtype, device=update.device)
+            X = torch.empty(sum(n for *_, n in members), a, b, dtype=self.ns_dtype,
+                            device=update.device)
             parts, i = [], 0  # ((A, B), flat slice, first matrix in X, n)
             for (A, B), rows, n in members:
                 U = update[rows].view(n, A, B)
-                norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # (n, 1, 1)
-                torch.div(U, norm.clamp_(min=group["eps"]), out=in_stack(X, i, n, A > B))  # fp32 math, ns_dtype
+                norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+                out = in_stack(X, i, n, A > B)  # norm (n, 1, 1): fp32 math, written in ns_dtype
+                torch.div(U, norm.clamp_(min=group["eps"]), out=out)
                 parts.append(((A, B), rows, i, n))
                 i += n
             X = newton_schulz(X, group["ns_steps"], group["ns_coefficients"])  # (sum of n, a, b)
@@ -201,9 +217,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         buf.lerp_(p.grad, 1 - mu)
         update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
         k = self.split.get(id(p), 1)
-        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"], group["eps"], k)
+        update = orthogonalize(update, self.ns_dtype, group["ns_steps"], group["ns_coefficients"],
+                               group["eps"], k)
         p.mul_(1 - lr * wd)
-        p.add_(update.to(p.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], self.matrix_shape(p)))
+        ratio = adjusted_lr_ratio(group["adjust_lr_fn"], self.matrix_shape(p))
+        p.add_(update.to(p.dtype), alpha=-lr * ratio)
 
 
 def orthogonalize(update, ns_dtype, steps, coefficients, eps, k=1):
@@ -212,16 +230,19 @@ def orthogonalize(update, ns_dtype, steps, coefficients, eps, k=1):
     whole (the same bits on every rank) and keeps its own rows, instead of letting DTensor
     redistribute inside each of Newton-Schulz's 15 matmuls."""
     def ns(U):  # (A, B) -> (A, B)
-        return zeropower(U.view(k, U.size(0) // k, U.size(1)), ns_dtype, steps, coefficients, eps).view(U.shape)
+        slices = U.view(k, U.size(0) // k, U.size(1))  # (k, A / k, B)
+        return zeropower(slices, ns_dtype, steps, coefficients, eps).view(U.shape)
     if not isinstance(update, DTensor):
         return ns(update)
     whole = ns(update.full_tensor())  # (A, B), on every rank
-    replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
-    return replicated.redistribute(update.device_mesh, update.placements)  # each rank's slice: no communication
+    mesh = update.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim)
+    return replicated.redistribute(mesh, update.placements)  # each rank's slice: no communication
 
 
 def adjusted_lr_ratio(adjust_lr_fn, shape):
-    """torch.optim.Muon's per-matrix lr factor: "match_rms_adamw" makes the update's RMS about AdamW's (0.2 lr)."""
+    """torch.optim.Muon's per-matrix lr factor: "match_rms_adamw" makes the update's RMS about
+    AdamW's (0.2 lr)."""
     A, B = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return math.sqrt(max(1, A / B))
@@ -245,33 +266,54 @@ def adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult=1.0, scalar_lr
     return decayed + [{"params": no_decay, "weight_decay": 0.0, "base_lr": lr * scalar_lr_mult}]
 
 
-def build_optimizers(model, optimizer="adamw", lr=6e-4, weight_decay=0.1, muon_lr=MUON_LR,
-                     muon_momentum=MUON_MOMENTUM, muon_weight_decay=None, device_type="cpu",
-                     ns_dtype=torch.float32, fused=None, muon_split_qkv=MUON_SPLIT_QKV,
-                     embed_lr_mult=1.0, scalar_lr_mult=1.0, muon_scaling="match_rms_adamw"):
-    """[AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon] for "muon".
-    Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its embedding /
-    1-D groups, muon_lr for Muon): see the module's schedule contract. muon_split_qkv: c_attn as q,
-    k, v (Muon.split). muon_weight_decay=None means weight_decay; fused=None means fused AdamW on
-    CUDA where torch has it. muon_scaling: torch.optim.Muon's adjust_lr_fn; the trainer's is
-    match_rms_adamw (dev/recipe.py measures "original" against it)."""
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The optimizers' numbers (build_optimizers' keyword arguments): the trainer's come from its
+    Config."""
+    lr: float = 6e-4  # AdamW's base lr
+    weight_decay: float = 0.1
+    muon_lr: float = MUON_LR
+    muon_momentum: float = MUON_MOMENTUM
+    muon_weight_decay: float = None  # None: weight_decay
+    muon_split_qkv: bool = MUON_SPLIT_QKV  # c_attn as q, k, v (Muon.split)
+    embed_lr_mult: float = 1.0  # AdamW's embedding group at lr x this
+    scalar_lr_mult: float = 1.0  # AdamW's 1-D group (biases, gains) at lr x this
+    # torch.optim.Muon's adjust_lr_fn (dev/recipe.py measures "original" against it)
+    muon_scaling: str = "match_rms_adamw"
+
+
+def tensors_line(named):
+    """'N tensors (P parameters)' of a list of (name, param)."""
+    return f"{len(named)} tensors ({sum(p.numel() for _, p in named):,} parameters)"
+
+
+def build_optimizers(model, optimizer="adamw", device_type="cpu", ns_dtype=torch.float32,
+                     fused=None, **settings):
+    """Build [AdamW] for "adamw" (groups and numbers of GPT.configure_optimizers), [AdamW, Muon]
+    for "muon". settings: Settings' fields (lr, weight_decay, muon_lr, ...; the rest at their
+    defaults). Every group has "base_lr" (lr for AdamW, x embed_lr_mult / scalar_lr_mult for its
+    embedding / 1-D groups, muon_lr for Muon): see the module's schedule contract. fused=None means
+    fused AdamW on CUDA where torch has it."""
+    s = Settings(**settings)
     muon, decay, no_decay = split_params(model, optimizer)
     if fused is None:
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    groups = adamw_groups(decay, no_decay, lr, weight_decay, embed_lr_mult, scalar_lr_mult)
-    optimizers = [torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
-    size = lambda ps: f"{len(ps)} tensors ({sum(p.numel() for _, p in ps):,} parameters)"  # noqa: E731
-    if muon:
-        wd = weight_decay if muon_weight_decay is None else muon_weight_decay
-        qkv = [p for n, p in muon if muon_split_qkv and n.endswith("attn.c_attn.weight")]
-        optimizers.append(Muon([{"params": muon, "base_lr": muon_lr}], ns_dtype=ns_dtype, split=qkv, lr=muon_lr,
-                               weight_decay=wd, momentum=muon_momentum, adjust_lr_fn=muon_scaling))
-        print0(f"optimizer: Muon on {size(muon)}, lr {muon_lr:g}, momentum {muon_momentum:g}, weight decay {wd:g}, "
-               f"Newton-Schulz in {str(ns_dtype).removeprefix('torch.')}{', c_attn as q, k, v' if qkv else ''}; "
-               f"AdamW on {size(decay)} decayed and "
-               f"{size(no_decay)} not, fused AdamW: {fused}")
-    else:
-        print0(f"optimizer: AdamW, {size(decay)} decayed, {size(no_decay)} not decayed, fused AdamW: {fused}")
+    groups = adamw_groups(decay, no_decay, s.lr, s.weight_decay, s.embed_lr_mult, s.scalar_lr_mult)
+    optimizers = [torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    if not muon:
+        print0(f"optimizer: AdamW, {tensors_line(decay)} decayed, {tensors_line(no_decay)} not "
+               f"decayed, fused AdamW: {fused}")
+        return optimizers
+    wd = s.weight_decay if s.muon_weight_decay is None else s.muon_weight_decay
+    qkv = [p for n, p in muon if s.muon_split_qkv and n.endswith("attn.c_attn.weight")]
+    optimizers.append(Muon([{"params": muon, "base_lr": s.muon_lr}], ns_dtype=ns_dtype, split=qkv,
+                           lr=s.muon_lr, weight_decay=wd, momentum=s.muon_momentum,
+                           adjust_lr_fn=s.muon_scaling))
+    split = ", c_attn as q, k, v" if qkv else ""
+    print0(f"optimizer: Muon on {tensors_line(muon)}, lr {s.muon_lr:g}, momentum "
+           f"{s.muon_momentum:g}, weight decay {wd:g}, Newton-Schulz in "
+           f"{str(ns_dtype).removeprefix('torch.')}{split}; AdamW on {tensors_line(decay)} decayed "
+           f"and {tensors_line(no_decay)} not, fused AdamW: {fused}")
     return optimizers
 
 # -----------------------------------------------------------------------------
@@ -315,19 +357,23 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
     old = dataclasses.replace(cfg, max_steps=planned)
     last, now = lr_multiplier(step - 1, old) * cfg.max_lr, lr_multiplier(step, cfg) * cfg.max_lr
     end = f"down to min_lr={cfg.min_lr:.2e} at step {cfg.max_steps}"
-    shape = f"flat until the cooldown at step {cooldown_start(cfg)}, then {end}" if cfg.lr_schedule == "wsd" \
-        else f"{cfg.lr_schedule} {end}"
-    head = (f"note: max_steps {planned} -> {cfg.max_steps}: the {cfg.lr_schedule} schedule is re-planned for "
-            f"{cfg.max_steps} steps ({shape})")
+    shape = f"{cfg.lr_schedule} {end}"
+    if cfg.lr_schedule == "wsd":
+        shape = f"flat until the cooldown at step {cooldown_start(cfg)}, then {end}"
+    head = (f"note: max_steps {planned} -> {cfg.max_steps}: the {cfg.lr_schedule} schedule is "
+            f"re-planned for {cfg.max_steps} steps ({shape})")
     if now <= last * (1 + 1e-6) or now - last <= 1e-12:
         return f"{head}: AdamW's lr goes on from {last:.2e} to {now:.2e} at step {step}, no jump"
-    ways = (f"resume its cooldown-start checkpoint {branch_path} instead (copy it into a new folder and resume "
-            f"there with --max_steps={cfg.max_steps} --out_dir=<that folder>: exactly a {cfg.max_steps}-step run), or "
-            if branch_path else "")
-    return (f"{head}: AdamW's lr jumps from {last:.2e} (step {step - 1}) to {now:.2e} at step {step}, "
-            f"{now / last if last else math.inf:.1f}x in one step; to avoid the jump, {ways}train on from its "
-            f"weights with a fresh warmup: --init_from={ckpt_path} --out_dir=<a new folder> "
-            f"--max_steps=<the steps to add> (docs/training.md, 'Extending a run')")
+    ways = ""
+    if branch_path:
+        ways = (f"resume its cooldown-start checkpoint {branch_path} instead (copy it into a new "
+                f"folder and resume there with --max_steps={cfg.max_steps} --out_dir=<that "
+                f"folder>: exactly a {cfg.max_steps}-step run), or ")
+    return (f"{head}: AdamW's lr jumps from {last:.2e} (step {step - 1}) to {now:.2e} at step "
+            f"{step}, {now / last if last else math.inf:.1f}x in one step; to avoid the jump, "
+            f"{ways}train on from its weights with a fresh warmup: --init_from={ckpt_path} "
+            "--out_dir=<a new folder> --max_steps=<the steps to add> (docs/training.md, "
+            "'Extending a run')")
 
 
 def decay_fraction(step, cfg):
@@ -349,9 +395,9 @@ def muon_momentum(step, cfg):
 
 
 def lrs(optimizers):
-    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's (max_lr x
-    the schedule; its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times it),
-    Muon's (muon_lr x the schedule)]."""
+    """Each optimizer's base lr as it last stepped, for the step line and log.jsonl: [AdamW's
+    (max_lr x the schedule; its embedding and 1-D groups run at embed_lr_mult / scalar_lr_mult times
+    it), Muon's (muon_lr x the schedule)]."""
     out = []
     for opt in optimizers:
         group = opt.param_groups[0]
@@ -365,10 +411,10 @@ def lrs(optimizers):
 
 
 def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar=None):
-    """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean loss.
-    DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the first is
-    read before the previous one's backward is queued. Returns the mean loss (a tensor on the
-    device). bar (logger.micro_step_bar) is told of each micro-step done."""
+    """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean
+    loss. DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the
+    first is read before the previous one's backward is queued. Returns the mean loss (a tensor on
+    the device). bar (logger.micro_step_bar) is told of each micro-step done."""
     loss_accum = torch.zeros((), device=plan.device)
     x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
     for micro_step in range(grad_accum):
@@ -376,11 +422,14 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
         with sync:
             with autocast(plan):
                 _, loss = model(x, y)
-            if micro_step < grad_accum - 1:  # the next batch is gathered while the GPU runs this forward/backward
+            # the next batch is gathered while the GPU runs this forward/backward
+            if micro_step < grad_accum - 1:
                 x, y = loader.next_batch(plan.device)
-            loss = loss / grad_accum  # cross-entropy is a mean: scale so the sum over micro-steps is the mean
+            # cross-entropy is a mean: scale so the sum over micro-steps is the mean
+            loss = loss / grad_accum
             loss_accum += loss.detach().float()
-            scaler.scale(loss).backward()  # a disabled GradScaler (bf16, fp32) returns the loss as it is
+            # a disabled GradScaler (bf16, fp32) returns the loss as it is
+            scaler.scale(loss).backward()
         if bar is not None:
             bar.update()
     return loss_accum
@@ -388,8 +437,8 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
 
 @torch.no_grad()
 def evaluate(model, loader, steps, plan, world_size=1, stop_now=lambda: False):
-    """The mean loss of model over `steps` batches from the start of loader's split, averaged over the
-    ranks; None when stop_now() (asked before each batch, alike on every rank) ends it early."""
+    """The mean loss of model over `steps` batches from the start of loader's split, averaged over
+    the ranks; None when stop_now() (asked before each batch, alike on every rank) ends it early."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=plan.device)
@@ -412,15 +461,16 @@ class Stepped(NamedTuple):
     norm: float  # the gradient norm before clipping
     applied: bool  # whether the update was applied
     flags: list  # the values of optimizer_step's flags, read in the same transfer
-    why: str = ""  # why the update was skipped: "inf/nan loss or gradients" or "outlier"; "" when applied
+    why: str = ""  # why it was skipped: "inf/nan loss or gradients" or "outlier"; "" if applied
 
 
 def skips_on_device(optimizers, is_outlier):
-    """Whether every update can be launched before the step's one host read, a non-finite step skipped
-    on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A non-fused
-    AdamW and the outlier test decide on the host, after the read. With or without the GradScaler
-    (fp16)."""
-    return is_outlier is None and all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers)
+    """Whether every update can be launched before the step's one host read, a non-finite step
+    skipped on the device: every optimizer takes a found_inf flag (fused AdamW, optim.Muon). A
+    non-fused AdamW and the outlier test decide on the host, after the read. With or without the
+    GradScaler (fp16)."""
+    flags = [getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers]
+    return is_outlier is None and all(flags)
 
 
 def _update(optimizers, scaler, found_inf=None):
@@ -431,7 +481,8 @@ def _update(optimizers, scaler, found_inf=None):
     the others' as 0 or nan."""
     for opt in optimizers:
         if found_inf is not None:
-            opt.grad_scale, opt.found_inf = None, found_inf  # read by the fused kernel; unscaled already
+            # read by the fused kernel; unscaled already
+            opt.grad_scale, opt.found_inf = None, found_inf
             try:
                 opt.step()
             finally:
@@ -442,8 +493,9 @@ def _update(optimizers, scaler, found_inf=None):
 
 
 def set_lr(optimizers, scale, momentum=None):
-    """The schedule applied: every group's lr = its base_lr * scale (scale: lr_multiplier), and Muon's
-    momentum (muon_momentum) when given. A group built without a base_lr takes its lr as one."""
+    """The schedule applied: every group's lr = its base_lr * scale (scale: lr_multiplier), and
+    Muon's momentum (muon_momentum) when given. A group built without a base_lr takes its lr as
+    one."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group.setdefault("base_lr", group["lr"]) * scale
@@ -451,38 +503,42 @@ def set_lr(optimizers, scale, momentum=None):
                 group["momentum"] = momentum
 
 
-def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None, flags=None,
-                   momentum=None):
-    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's lr
-    is set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is unscaled
-    (fp16), one clip runs over all parameters, each optimizer steps, the loss scale is updated once.
-    A step whose loss or gradients hold inf/nan is skipped in every precision, by every optimizer
-    together (the weights never go non-finite; the clip would spread one optimizer's inf into the
-    others' gradients); is_outlier(loss, norm) -> True skips a finite step too (the loss scale is
-    left as it is). flags: a 1-D tensor on the device (the ranks' stop requests) read with loss and
-    norm. Where the optimizers allow (skips_on_device) the update is launched before the read, so
-    the device never waits for the host. momentum: Muon's at this step (muon_momentum), None: as it
-    is. Returns Stepped, read from the device in one transfer."""
+def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None,
+                   flags=None, momentum=None):
+    """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's
+    lr is set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is
+    unscaled (fp16), one clip runs over all parameters, each optimizer steps, the loss scale is
+    updated once. A step whose loss or gradients hold inf/nan is skipped in every precision, by
+    every optimizer together (the weights never go non-finite; the clip would spread one optimizer's
+    inf into the others' gradients); is_outlier(loss, norm) -> True skips a finite step too (the
+    loss scale is left as it is). flags: a 1-D tensor on the device (the ranks' stop requests) read
+    with loss and norm. Where the optimizers allow (skips_on_device) the update is launched before
+    the read, so the device never waits for the host. momentum: Muon's at this step (muon_momentum),
+    None: as it is. Returns Stepped, read from the device in one transfer."""
     set_lr(optimizers, lr_scale, momentum)
     for opt in optimizers:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
+    # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
+    if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     read = torch.cat([loss.float().view(1), norm.float().to(loss.device).view(1)] +
                      ([flags.float()] if flags is not None else []))  # (2 + flags,)
     on_device = skips_on_device(optimizers, is_outlier)
     if on_device:
-        found_inf = (~torch.isfinite(read[:2]).all()).float()  # (), as GradScaler makes it: any inf/nan skips all
+        # (), as GradScaler makes it: any inf/nan skips all
+        found_inf = (~torch.isfinite(read[:2]).all()).float()
         _update(optimizers, scaler, found_inf)
     loss, norm, *flags = read.tolist()  # sync: the step's one host read
-    finite = math.isfinite(loss) and math.isfinite(norm)  # decided here, once: the step's result says why
+    # decided here, once: the step's result says why
+    finite = math.isfinite(loss) and math.isfinite(norm)
     apply = finite and not (is_outlier is not None and is_outlier(loss, norm))
     if not on_device:
         if apply:
             _update(optimizers, scaler)
         else:
-            scaler.update()  # skipped: the GradScaler lowers its scale if the gradients held inf/nan
+            # skipped: the GradScaler lowers its scale if the gradients held inf/nan
+            scaler.update()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     why = "" if apply else "outlier"
@@ -501,9 +557,11 @@ class FixedBatch:
         return self.x, self.y
 
 
-def train_step(model, optimizers, scaler, x, y, plan, grad_clip=1.0, lr_scale=1.0):
-    """One step of the trainer's own step functions on a fixed batch, no accumulation: what bench.py
-    times and the micro-batch probes run (lr_scale 0: no update, the weights stay as they are)."""
+def train_step(model, optimizers, scaler, x, y, plan, lr_scale=1.0):
+    """One step of the trainer's own step functions on a fixed batch, no accumulation, clipped at
+    the default grad_clip (1.0): what bench.py times and the micro-batch probes run (lr_scale 0: no
+    update, the weights stay as they are)."""
+    grad_clip = 1.0
     loss = accumulate_gradients(model, FixedBatch(x, y), 1, plan, scaler)
     params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss)

@@ -373,7 +373,7 @@ def _worker(rank, world_size, ckpt, examples, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         model = GPT.from_checkpoint(ckpt)
-        res = evaluate(model, examples, plan=CPU, batch_size=2, rank=rank, world_size=world_size)
+        res = evaluate(model, examples, plan=CPU, batch_size=2)  # rank, world_size: the group's
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
