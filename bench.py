@@ -260,14 +260,14 @@ def time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
     return ms, fpt, peak, syncs, head
 
 
-def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False, verbose=True,
-               core=False, on_row=None):
-    """Time every rung, the rungs chosen by the plan (core: the core rungs only); returns the rows
-    (dicts) of the table, in ladder order. The core rungs are cumulative (each the baseline plus
-    every applicable core change up to it) and are timed most important first, the trainer's stack
-    (the last) first down to fp32, so that a run cut off keeps what matters; the options follow in
-    order. on_row(rows) after every rung (rows not yet timed say so): e.g. write the JSON as the
-    ladder goes."""
+def run_ladder(job, force_compile=False, core=False, on_row=None):
+    """Time every rung of the Ladder job, the rungs chosen by its plan (core: the core rungs
+    only); returns the rows (dicts) of the table, in ladder order. The core rungs are cumulative
+    (each the baseline plus every applicable core change up to it) and are timed most important
+    first, the trainer's stack (the last) first down to fp32, so that a run cut off keeps what
+    matters; the options follow in order. on_row(rows) after every rung (rows not yet timed say
+    so): e.g. write the JSON as the ladder goes."""
+    plan, micro_batch = job.plan, job.micro_batch
     rungs = [r for r in ladder_rungs(plan, plan.device_type, plan.capability, force_compile,
                                      micro_batch=micro_batch)
              if not (core and r[-1])]
@@ -275,7 +275,6 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
                  speedup_first=None, mfu=None, peak_allocated=None, peak_reserved=None,
                  syncs_per_step=None, skipped="not run (yet)", note=note, kept=None)
             for name, _, _, note, _ in rungs]
-    job = Ladder(plan, size, micro_batch, seq_len, warmup, steps, verbose)
     settings, trials = dict(BASELINE, micro_batch=micro_batch), []
     # each core rung's settings: the applicable changes up to it
     for _, change, skip, _, optional in rungs:
@@ -284,7 +283,7 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
         trials.append(settings)
     # the index of the row the options build on: the last core row that ran, then faster options
     best = None
-    if verbose:
+    if job.verbose:
         print("timing the core rungs from the trainer's stack down to fp32 (a run cut off keeps "
               "what matters most; the table is in ladder order):", file=sys.stderr)
     try:
@@ -294,7 +293,7 @@ def run_ladder(plan, size, micro_batch, seq_len, warmup, steps, force_compile=Fa
             fill_speedups(rows, rungs)
             on_row and on_row(rows)
         settings = trials[best] if best is not None else dict(BASELINE, micro_batch=micro_batch)
-        if verbose and any(r[-1] for r in rungs):
+        if job.verbose and any(r[-1] for r in rungs):
             print("then the options, each kept only if faster than the best so far:",
                   file=sys.stderr)
         # options: kept only when faster than the best so far
@@ -328,6 +327,11 @@ class Ladder:
     warmup: int
     steps: int
     verbose: bool = True
+
+
+def ladder_job(args, plan):
+    """The command line's Ladder job (run_ladder, run_ddp)."""
+    return Ladder(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup, args.steps)
 
 
 def time_row(row, trial, rung, job):
@@ -449,12 +453,12 @@ def wrap_ddp(raw, order, device_ids, backend="inductor"):
     return torch.compile(DDP(raw, **kw), dynamic=False, backend=backend)
 
 
-def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False,
-            backend="inductor"):
-    """Each DDP order at the trainer's settings (the plan's precision and kernels, vocab 50304,
-    fused AdamW on CUDA), one micro-step per optimizer step so every step all-reduces. Every rank
-    times its own steps; the slowest rank's median counts. Returns rows like the ladder's (tokens/s
-    over all ranks)."""
+def run_ddp(job, force_compile=False, backend="inductor"):
+    """Each DDP order of the Ladder job at the trainer's settings (the plan's precision and
+    kernels, vocab 50304, fused AdamW on CUDA), one micro-step per optimizer step so every step
+    all-reduces. Every rank times its own steps; the slowest rank's median counts. Returns rows
+    like the ladder's (tokens/s over all ranks)."""
+    plan, size, micro_batch, seq_len = job.plan, job.size, job.micro_batch, job.seq_len
     import torch.distributed as dist
     device, device_type, device_name = plan.device, plan.device_type, plan.device_name
     world = dist.get_world_size()
@@ -478,7 +482,7 @@ def run_ddp(plan, size, micro_batch, seq_len, warmup, steps, force_compile=False
             scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
             x, y = random_batch(micro_batch, seq_len, device, seed=1337 + dist.get_rank())
             step = functools.partial(train_step, model, optimizers, scaler, x, y, plan)
-            seconds = time_steps(step, device, warmup, steps)
+            seconds = time_steps(step, device, job.warmup, job.steps)
             ms = 1000 * agree(seconds, "max", device)
             tok_s = world * micro_batch * seq_len / (ms / 1000)
             first = first or tok_s
@@ -516,8 +520,7 @@ def ddp_cli(args, plan):
         torch.cuda.set_device(plan.device)
     dist.init_process_group(backend="nccl" if plan.device_type == "cuda" else "gloo")
     try:
-        rows = run_ddp(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup,
-                       args.steps, args.compile)
+        rows = run_ddp(ladder_job(args, plan), args.compile)
         if dist.get_rank() == 0:
             print(header(args) + "\n\n" + ddp_table(rows))
             if args.json:
@@ -885,8 +888,7 @@ def run(args):
     print(header(args) + "\n")
     # after every rung: a cut-off keeps it
     on_row = (lambda rows: write_json(args.json, rows)) if args.json else None
-    rows = run_ladder(plan, args.model, args.micro_batch_size, args.seq_len, args.warmup,
-                      args.steps, args.compile, core=args.core, on_row=on_row)
+    rows = run_ladder(ladder_job(args, plan), args.compile, core=args.core, on_row=on_row)
     print(ladder_table(rows))
     if args.plot:
         plot_ladder(rows, args.plot, header(args).split(" | command")[0])

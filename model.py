@@ -310,7 +310,7 @@ class GPT(nn.Module):
                             f"{sorted(set(sd) - set(sd_hf))[:3]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
-                if k.endswith(CONV1D_WEIGHTS):  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+                if k.endswith(CONV1D_WEIGHTS):  # HF's Conv1D: (in, out); nn.Linear: (out, in)
                     v = v.t()
                 assert sd[k].shape == v.shape, \
                     f"shape mismatch for {k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
@@ -341,7 +341,8 @@ class GPT(nn.Module):
         return model
 
 
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
 
 # -----------------------------------------------------------------------------
 # FLOPs (precision.py turns them into MFU against the GPU's peak)

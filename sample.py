@@ -107,7 +107,7 @@ def main(argv=None):
         enc = get_encoding()
         text, prompt_ids = read_prompt(args, enc)
         plan = precision.make_plan(device, args.precision, compile=False)
-        with redirect0(sys.stderr):  # a run's out_dir: its newest readable ckpt_*.pt (a skipped one said)
+        with redirect0(sys.stderr):  # a run's out_dir: its newest readable ckpt_*.pt (skips said)
             path = newest_checkpoint(args.model)
         if path != args.model:
             say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "

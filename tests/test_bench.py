@@ -147,7 +147,7 @@ def test_options_are_kept_only_when_faster(monkeypatch):
 
     monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
     monkeypatch.setattr(bench, "time_rung", fake_time_rung)
-    rows = bench.run_ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False)
+    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False))
     assert [r["kept"] for r in rows] == [None, False, True, False]
     assert "not kept (slower)" in rows[1]["note"] and rows[2]["note"].endswith("kept")
     assert seen[2]["vocab"] == 50257 and seen[2]["micro_batch"] == 8  # "slow" dropped before "fast" ran
@@ -166,7 +166,7 @@ def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it
         return 100.0 * len(seen), 1.0, (None, None), None, "full"
 
     monkeypatch.setattr(bench, "time_rung", fake_time_rung)
-    rows = bench.run_ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False, core=True,
+    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False), core=True,
                             on_row=lambda rows: snapshots.append([dict(r) for r in rows]))
     assert [r["name"][:len(p)] for r, p in zip(rows, RUNG_PREFIXES)] == RUNG_PREFIXES and len(rows) == 8
     timed = [r for r in rows if r["skipped"] is None]  # CPU: fp32, SDPA, vocab, fused, the trainer's loss head
@@ -191,7 +191,7 @@ def test_loss_head_rung_runs_the_trainers_head(monkeypatch):
     monkeypatch.setattr(bench, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+loss head")]
     monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
-    rows = bench.run_ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False)
+    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False))
     assert [(raw.loss_impl, raw.ce_chunk_rows) for raw, _, _ in built] == [("chunked", 37), ("full", 37)]
     assert (2 * 16, 50257) in asked  # loss head first (the trainer's stack), then fp32: vocab 50257 both
     assert rows[-1]["note"].endswith(": chunked, 37 rows a chunk") and rows[-1]["skipped"] is None
@@ -224,11 +224,11 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
             optim.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
             grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
-        rows = bench.run_ddp(plan, "tiny", 2, 16, 0, 1, force_compile=True, backend="eager")
+        rows = bench.run_ddp(bench.Ladder(plan, "tiny", 2, 16, 0, 1), force_compile=True, backend="eager")
         assert [r["name"] for r in rows] == list(bench.DDP_ORDERS)
         assert all(r["skipped"] is None and r["ms_per_step"] > 0 for r in rows)
         assert rows[0]["tokens_per_s"] == pytest.approx(2 * 16 / (rows[0]["ms_per_step"] / 1000))
-        off = bench.run_ddp(plan, "tiny", 2, 16, 0, 1)
+        off = bench.run_ddp(bench.Ladder(plan, "tiny", 2, 16, 0, 1))
         assert all("compile off" in r["skipped"] for r in off) and "skipped" in bench.ddp_table(off)
     finally:
         dist.destroy_process_group()
