@@ -233,3 +233,51 @@ def test_torchrun_on_one_gpu_equals_one_process(tmp_path):
         assert run.wait(timeout=300) == [0], run.logs()
     a, b = step_losses(plain), step_losses(launched)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+
+
+@pytest.mark.parametrize("name", ["auto", "sm75"])
+def test_the_full_loss_head_runs_inside_the_compiled_graph_on_the_gpu(name, data_dir):
+    """Issue 37 on the GPU's own torch: the trainer's path (set_loss_head, compile_model, the probe,
+    accumulate_gradients on its loader) with full logits is one graph, no break, every frame compiled, no
+    aten op on a logit-sized tensor outside compiled code (the H200's eager head ran eq, bitwise_and, exp
+    there), nothing for CompileWatch to say, and the loss of an eager F.cross_entropy over the logits."""
+    plan = dataclasses.replace(precision.make_plan("cuda:0", emulate=None if name == "auto" else name),
+                               compile=True)
+    B, T, V = 4, 64, 50304
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(block_size=128, vocab_size=V, n_layer=2, n_head=4, n_embd=64)).cuda()
+    memory.set_loss_head(raw, plan, B, T, "full")
+    compiled = precision.compile_model(raw, plan)
+    watch = precision.CompileWatch()
+    try:
+        assert precision.compiles(compiled, B, T, plan)
+        scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
+        loader = TokenLoader(data_dir, "train", B, T, vocab_size=V)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            loss = optim.accumulate_gradients(compiled, loader, 2, plan, scaler)
+        torch.cuda.synchronize()
+        assert watch.check() == []
+    finally:
+        watch.close()
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert counters["frames"]["total"] == counters["frames"]["ok"]
+    events = prof.events()
+    compiled_code = [(e.time_range.start, e.time_range.end) for e in events
+                     if any(r in e.name for r in ("CompiledFunction", "Torch-Compiled Region", "CompiledFxGraph"))
+                     or "AccumulateGrad" in e.name]
+    outside = [e for e in events if e.name.startswith("aten::")
+               and not any(s <= e.time_range.start and e.time_range.end <= end for s, end in compiled_code)]
+    logit_sized = [e.name for e in outside
+                   if any(s and torch.Size(s).numel() >= B * T * V for s in e.input_shapes if isinstance(s, list))]
+    assert not logit_sized, logit_sized
+    assert not {"aten::eq", "aten::bitwise_and", "aten::exp"} & {e.name for e in outside}
+    x, y = TokenLoader(data_dir, "train", B, T, vocab_size=V).next_batch("cuda:0")
+    with torch.no_grad(), precision.autocast(plan):
+        ref = torch.nn.functional.cross_entropy(raw.lm_head(raw.hidden_states(x)).float().view(-1, V), y.view(-1))
+    with torch.no_grad(), precision.autocast(plan):
+        got = compiled(x, y)[1]
+    assert abs(got.item() - ref.item()) < 1e-2 * ref.item() and math.isfinite(loss.item())
+    torch._dynamo.reset()
