@@ -107,6 +107,24 @@ def random_model(vocab_size=50304, seed=0):
     return m
 
 
+COMPILED_REGIONS = ("CompiledFunction", "Torch-Compiled Region", "CompiledFxGraph")  # profiler ranges
+
+
+def aten_outside_compiled(events):
+    """The aten ops a profile saw outside compiled code and outside the autograd engine's gradient
+    accumulation into .grad (AccumulateGrad: every trainer's, per parameter)."""
+    skip = [(e.time_range.start, e.time_range.end) for e in events
+            if any(r in e.name for r in COMPILED_REGIONS) or "AccumulateGrad" in e.name]
+    return [e for e in events if e.name.startswith("aten::")
+            and not any(s <= e.time_range.start and e.time_range.end <= end for s, end in skip)]
+
+
+def has_input_of(e, numel):
+    """Whether a profiled op took a tensor of at least numel elements (record_shapes=True)."""
+    return any(shape and torch.Size(shape).numel() >= numel for shape in e.input_shapes
+               if isinstance(shape, list))
+
+
 def cpu_plan(dtype):
     """The CPU precision plan for a torch dtype (autocast to it below fp32)."""
     return precision.make_plan("cpu", precision.dtype_name(dtype))

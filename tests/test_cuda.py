@@ -23,7 +23,8 @@ from gpt2train import optim  # noqa: E402
 from gpt2train import precision  # noqa: E402
 from gpt2train.data import TokenLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from conftest import load_ckpt, make_rows, step_losses, tiny_args, write_rows, write_shards  # noqa: E402
+from conftest import (aten_outside_compiled, has_input_of, load_ckpt, make_rows, step_losses,  # noqa: E402
+                      tiny_args, write_rows, write_shards)
 from train_gpt2 import main  # noqa: E402
 
 CAP = torch.cuda.get_device_capability(0)
@@ -264,14 +265,8 @@ def test_the_full_loss_head_runs_inside_the_compiled_graph_on_the_gpu(name, data
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
     assert counters["frames"]["total"] == counters["frames"]["ok"]
-    events = prof.events()
-    compiled_code = [(e.time_range.start, e.time_range.end) for e in events
-                     if any(r in e.name for r in ("CompiledFunction", "Torch-Compiled Region", "CompiledFxGraph"))
-                     or "AccumulateGrad" in e.name]
-    outside = [e for e in events if e.name.startswith("aten::")
-               and not any(s <= e.time_range.start and e.time_range.end <= end for s, end in compiled_code)]
-    logit_sized = [e.name for e in outside
-                   if any(s and torch.Size(s).numel() >= B * T * V for s in e.input_shapes if isinstance(s, list))]
+    outside = aten_outside_compiled(prof.events())
+    logit_sized = [e.name for e in outside if has_input_of(e, B * T * V)]
     assert not logit_sized, logit_sized
     assert not {"aten::eq", "aten::bitwise_and", "aten::exp"} & {e.name for e in outside}
     x, y = TokenLoader(data_dir, "train", B, T, vocab_size=V).next_batch("cuda:0")

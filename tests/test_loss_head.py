@@ -18,7 +18,7 @@ import torch._inductor.compile_fx
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import read_log, tiny_args, write_shards
+from conftest import aten_outside_compiled, has_input_of, read_log, tiny_args, write_shards
 from gpt2train import memory, optim, precision
 from gpt2train.data import TokenLoader
 from model import GPT, GPTConfig
@@ -27,7 +27,6 @@ from train_gpt2 import main
 V, B, T, ACCUM = 50304, 4, 32, 2  # 128 rows of 50,304 logits a micro-step, two micro-steps a step
 N = B * T
 CONFIG = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=32)
-COMPILED_REGIONS = ("CompiledFunction", "Torch-Compiled Region", "CompiledFxGraph")  # profiler ranges of compiled code
 VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::detach", "aten::alias", "aten::as_strided",
          "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::expand", "aten::_unsafe_view",
          "aten::reshape", "aten::lift_fresh", "aten::empty"}  # no kernel: not a launch
@@ -51,17 +50,13 @@ def trainer_model(plan, impl):
 
 
 def outside_compiled(events):
-    """The aten ops the profiler saw outside compiled code and outside the autograd engine's gradient
-    accumulation into .grad (AccumulateGrad: every trainer's, per parameter), top-level ones only."""
-    skip = [(e.time_range.start, e.time_range.end) for e in events
-            if any(r in e.name for r in COMPILED_REGIONS) or "AccumulateGrad" in e.name]
-    ops = [e for e in events if e.name.startswith("aten::")
-           and not any(s <= e.time_range.start and e.time_range.end <= end for s, end in skip)]
+    """conftest.aten_outside_compiled's top-level ops (one a launch from Python)."""
+    ops = aten_outside_compiled(events)
     return [e for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
 
 
 def logit_sized(e):
-    return any(shape and torch.Size(shape).numel() >= N * V for shape in e.input_shapes if isinstance(shape, list))
+    return has_input_of(e, N * V)
 
 
 def profiled_step(model, data_dir, plan):
