@@ -44,6 +44,7 @@ from gpt2train import precision
 from gpt2train.fileio import (ArgumentParser, UserError, check_output_file, fail, replacing,
                               write_json)
 from gpt2train.logger import redirect0
+from gpt2train.loss import LOSS_IMPLS
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from gpt2train.distributed import agree
 from gpt2train.memory import (Step, activation_bytes_estimate, auto_micro_batch, choose_loss_impl,
@@ -775,7 +776,7 @@ def parse_args(argv):
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="bar chart of tokens/s per rung (needs matplotlib)")
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
-    p.add_argument("--loss_impl", default="auto", choices=("auto", "chunked", "full"),
+    p.add_argument("--loss_impl", default="auto", choices=("auto", *LOSS_IMPLS),
                    help="the loss head (--memory, --find_batch): auto = the trainer's choice")
     p.add_argument("--activation_checkpointing", default="none",
                    choices=("none", "blocks", "every_other"),

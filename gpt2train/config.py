@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from gpt2train import precision
 from gpt2train.fileio import UserError
+from gpt2train.loss import LOSS_IMPLS
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ CHOICES = {
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
     "activation_checkpointing": ("none", "blocks", "every_other"),
-    "loss_impl": ("auto", "full", "chunked"),
+    "loss_impl": ("auto", *LOSS_IMPLS),
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
