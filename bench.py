@@ -735,7 +735,8 @@ def fit_table(seq_len=1024, headroom=0.1, sizes=("gpt2", "gpt2-medium", "gpt2-la
             for _, world, fsdp, loss, ckpt in FIT_MODES:
                 config = GPTConfig(vocab_size=50304, **SIZES[size])
                 step = Step(config, seq_len, world_size=world, dtype=dtype, optimizer=optimizer,
-                            activation_checkpointing=ckpt, fsdp=fsdp, loss_impl=loss)
+                            activation_checkpointing=ckpt, fsdp=fsdp, loss_impl=loss,
+                            compiled=loss == "full")  # the full column: the trainer's compiled head
                 b = estimated_micro_batch(step, (1 - headroom) * gib * 2**30)
                 cells.append(str(b) if b else "-")
             n = param_counts(GPTConfig(vocab_size=50304, **SIZES[size]))[0]

@@ -156,14 +156,13 @@ def training_bytes_estimate(step, micro_batch):
 
 
 def training_bytes(step, micro_batch):
-    """training_bytes_estimate's total on CUDA without FSDP, a full head counted compiled."""
-    cuda = replace(step, device_type="cuda", fsdp=False, compiled=step.loss_impl == "full")
+    """training_bytes_estimate's total on CUDA without FSDP."""
+    cuda = replace(step, device_type="cuda", fsdp=False)
     return sum(training_bytes_estimate(cuda, micro_batch).values())
 
 
 def estimated_micro_batch(step, budget, limit=4096):
     """The largest micro-batch whose training_bytes_estimate fits in budget bytes (0: none)."""
-    step = replace(step, compiled=step.loss_impl == "full")
     lo, hi = 0, limit
     while lo < hi:  # the estimate grows with the micro-batch: bisect
         mid = (lo + hi + 1) // 2
