@@ -47,10 +47,10 @@ from gpt2train.logger import redirect0
 from gpt2train.loss import LOSS_IMPLS
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 from gpt2train.distributed import agree
-from gpt2train.memory import (Step, activation_bytes_estimate, auto_micro_batch, choose_loss_impl,
+from gpt2train.memory import (Step, activation_bytes_estimate, auto_micro_batch,
                               estimated_micro_batch, fmt_bytes, free_memory,
-                              optimizer_state_tensors, param_counts,
-                              random_batch, set_loss_head, tensor_bytes, training_bytes_estimate)
+                              optimizer_state_tensors, param_counts, random_batch, tensor_bytes,
+                              training_bytes_estimate, use_loss_head)
 from gpt2train.optim import train_step
 from gpt2train.precision import is_oom
 
@@ -180,8 +180,8 @@ def fused_available(device_type):
 def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
     """A fresh model (same seed every rung) and its optimizers (optim.build_optimizers: the
     trainer's) for one rung's settings under its plan (rung_plan), with the loss head the trainer
-    would run at micro_batch x seq_len (settings["loss"] "auto": memory.choose_loss_impl, and
-    memory.set_loss_head's chunk rows), compiled as the trainer compiles
+    would run at micro_batch x seq_len (settings["loss"] "auto": memory.use_loss_head, the
+    trainer's choice and chunk rows), compiled as the trainer compiles
     (precision.compile_model)."""
     torch.manual_seed(1337)
     config = GPTConfig(block_size=seq_len, vocab_size=settings["vocab"], attn_impl=settings["attn"],
@@ -189,7 +189,7 @@ def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
     raw = GPT(config, activation_checkpointing=settings["ckpt"]).to(plan.device)
     step = Step(config, seq_len, dtype=plan.dtype, device_type=plan.device_type,
                 loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"])
-    set_loss_head(raw, plan, micro_batch, seq_len, choose_loss_impl(plan, step, micro_batch)[0])
+    use_loss_head(raw, plan, step, micro_batch)
     ns_dtype = optim.ns_dtype_for(settings.get("dtype"), plan.device_type)
     with redirect0(None):  # the optimizer's line once a rung would bury the table
         optimizers = optim.build_optimizers(raw, optimizer, lr=6e-4, weight_decay=0.1,

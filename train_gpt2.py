@@ -277,13 +277,12 @@ def extras(cfg, model):
 
 
 def choose_loss_head(raw_model, plan, step, B):
-    """Set THE loss head (memory.choose_loss_impl: full logits in the compiled graph where they fit,
+    """Set THE loss head (memory.use_loss_head: full logits in the compiled graph where they fit,
     else chunked) and its chunk rows on the model for this device and B x T, never a checkpoint's;
     return the loss_impl."""
-    loss_impl, why = memory.choose_loss_impl(plan, step, B)
+    loss_impl, why = memory.use_loss_head(raw_model, plan, step, B)
     if why:
         print0(why)
-    memory.set_loss_head(raw_model, plan, B, step.seq_len, loss_impl)
     return loss_impl
 
 

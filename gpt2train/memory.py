@@ -259,6 +259,14 @@ def set_loss_head(model, plan, micro_batch, seq_len, loss_impl):
     model.set_runtime(ce_chunk_rows=rows, loss_impl=loss_impl)
 
 
+def use_loss_head(model, plan, step, micro_batch):
+    """THE loss head at this micro-batch, chosen (choose_loss_impl) and set (set_loss_head): what
+    the trainer, bench's rungs and the micro-batch finder all run. Returns (loss_impl, why)."""
+    loss_impl, why = choose_loss_impl(plan, step, micro_batch)
+    set_loss_head(model, plan, micro_batch, step.seq_len, loss_impl)
+    return loss_impl, why
+
+
 def fit_micro_batch(step, memory_bytes, plan=None, headroom=FIT_HEADROOM):
     """(micro_batch, seq_len, reason) for small GPUs (sm7x): the largest micro-batch that keeps
     total_batch_size and fits 1 - headroom of memory_bytes; seq_len halved where step.shrink_seq
@@ -420,7 +428,7 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
         both inf when it ran out of memory; the maximum over the ranks."""
         free_memory("cuda")
         torch.cuda.reset_peak_memory_stats(plan.device)
-        set_loss_head(model, plan, b, T, choose_loss_impl(plan, step, b)[0])  # as training runs b
+        use_loss_head(model, plan, step, b)  # as training runs b
         try:
             seconds = probe_steps(step_model, optimizers, b, T, plan, steps)
             used = torch.cuda.max_memory_reserved(plan.device) / capacity

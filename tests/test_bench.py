@@ -182,8 +182,8 @@ def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it
 
 
 def test_loss_head_rung_runs_the_trainers_head(monkeypatch):
-    """The rung's model takes the trainer's loss head for its plan and micro-batch (memory.choose_loss_impl and
-    set_loss_head's memory.loss_chunk rows: the trainer's functions; on this CPU plan, compile off: chunked),
+    """The rung's model takes the trainer's loss head for its plan and micro-batch (memory.use_loss_head:
+    choose_loss_impl and memory.loss_chunk's rows, the trainer's functions; on this CPU plan, compile off: chunked),
     and the row says which."""
     asked, built = [], []
     monkeypatch.setattr(memory, "loss_chunk", lambda plan, rows, vocab: asked.append((rows, vocab)) or 37)
@@ -195,7 +195,7 @@ def test_loss_head_rung_runs_the_trainers_head(monkeypatch):
     assert [(raw.loss_impl, raw.ce_chunk_rows) for raw, _, _ in built] == [("chunked", 37), ("full", 37)]
     assert (2 * 16, 50257) in asked  # loss head first (the trainer's stack), then fp32: vocab 50257 both
     assert rows[-1]["note"].endswith(": chunked, 37 rows a chunk") and rows[-1]["skipped"] is None
-    assert bench.build is not real_build and bench.choose_loss_impl is memory.choose_loss_impl
+    assert bench.build is not real_build and bench.use_loss_head is memory.use_loss_head
 
 
 def test_compile_can_be_forced_on_cpu():
