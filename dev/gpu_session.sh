@@ -17,6 +17,11 @@
 #     ladder       ~60 s   bench.py --core, the trainer's stack first (cut off: the rest)
 #     autotune     ~rest   adamw with inductor's coordinate-descent tuning (keep it if faster)
 #
+# Named only, for a second call if the lease has time left (EXTRA; not in the default call):
+#     maxautotune  ~240 s  adamw under mode="max-autotune-no-cudagraphs"'s inductor settings (max_autotune:
+#                          Triton GEMM templates with fused epilogues, benchmarked against cuBLAS; plus
+#                          coordinate-descent tuning), by environment; keep it if faster
+#
 # Or some parts: bash dev/gpu_session.sh versions shards adamw ... (shards first where a part trains).
 # The trainer runs are compared on tok/s of their warm steps (median of the second half); what the lease must show:
 # adamw >= 1.05 x llm.c's tok/s, muon >= 0.97 x adamw's, peak memory beside llm.c's. The numbers go from
@@ -230,7 +235,7 @@ def ratio(a, b):
             runs = json.load(f)
         r = runs[a]["tok_per_s"] / runs[b]["tok_per_s"]
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return {}, f"{a}/{b}: n/a (one of them did not finish)"
+        return {}, f"{a}/{b}: n/a (not both finished in this call: compare with the other call's results)"
     return {"ratio": r}, f"{a}/{b}: {r:.3f} (tok/s {runs[a]['tok_per_s']:,.0f} / {runs[b]['tok_per_s']:,.0f})"
 
 
@@ -351,20 +356,27 @@ autotune() {  # inductor's coordinate-descent tuning of the trainer's graph (its
     summarize ratio autotune adamw
 }
 
+maxautotune() {  # max-autotune-no-cudagraphs by inductor's config (its own compile, GEMMs benchmarked: minutes)
+    TORCHINDUCTOR_MAX_AUTOTUNE=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
+        train maxautotune 300 "" configs/gpt2_124m.py "${ADAMW[@]}"
+    summarize ratio maxautotune adamw
+}
+
 PARTS=(versions shards adamw llmc muon sm75 b128 test_cuda hellaswag ladder autotune)
+EXTRA=(maxautotune)
 
 [ $# -gt 0 ] || set -- "${PARTS[@]}"
 for name in "$@"; do  # every name checked before anything runs
-    case " ${PARTS[*]} " in
+    case " ${PARTS[*]} ${EXTRA[*]} " in
         *" $name "*) ;;
-        *) echo "unknown part $name (the parts: ${PARTS[*]})" >&2
+        *) echo "unknown part $name (the parts: ${PARTS[*]} ${EXTRA[*]})" >&2
            exit 2 ;;
     esac
 done
 note "== dev/gpu_session.sh $*${SMOKE:+ (smoke run, CPU)}: at most $LEASE_S s =="
 for name in "$@"; do
     case $name in
-        adamw | muon | sm75 | b128 | autotune | llmc) [ -f "$DATA/manifest.json" ] || shards ;;
+        adamw | muon | sm75 | b128 | autotune | maxautotune | llmc) [ -f "$DATA/manifest.json" ] || shards ;;
     esac
     "$name" || true
 done

@@ -53,16 +53,21 @@ def parts():
     return re.search(r"^PARTS=\((.*)\)$", script(), re.M)[1].split()
 
 
+def extra():
+    return re.search(r"^EXTRA=\((.*)\)$", script(), re.M)[1].split()
+
+
 def test_the_parts_fit_one_device_call_of_a_15_minute_lease():
     """One call of at most 9 minutes (LEASE_S) whose parts' estimates (in the header, one line a part, in the
     call's order) fit it but the last ("~rest": what is left); every part has a limit of its own."""
     text = script()
     assert int(re.search(r"^LEASE_S=\$\{LEASE_S:-(\d+)\}", text, re.M)[1]) == 540
-    listed = re.findall(r"^#     (\w+) +~(\d+ s|rest) ", text, re.M)
+    listed = re.findall(r"^#     (\w+) +~(\d+ s|rest) ", text.split("Named only")[0], re.M)
     assert [name for name, _ in listed] == parts()
     assert parts()[:3] == ["versions", "shards", "adamw"] and parts()[-1] == "autotune"
     assert sum(int(t.split()[0]) for _, t in listed[:-1]) <= 540 and listed[-1][1] == "rest"
-    for name in parts():
+    assert re.findall(r"^#     (\w+) +~\d+ s ", text.split("Named only")[1], re.M) == extra()
+    for name in parts() + extra():
         body = text[text.index(f"\n{name}() {{"):]
         body = body[:body.index("\n}\n")]
         assert re.search(r"\b(?:part|train) \w+ \d+ ", body) or "note " in body, name
@@ -105,11 +110,12 @@ def run_call(tmp_path, *names, timeout=400, **env_over):
 
 @pytest.fixture(scope="module")
 def whole_call(tmp_path_factory):
-    """Every part in the call's order, once (~1.5 min on 2 cores), with llm.c's run.sh faked (no GPU here)."""
+    """Every part in the call's order, then the parts named only (EXTRA), once (~1.5 min on 2 cores), with
+    llm.c's run.sh faked (no GPU here)."""
     tmp = tmp_path_factory.mktemp("session")
     (tmp / "llmc").mkdir()
     (tmp / "llmc" / "run.sh").write_text(FAKE_LLMC)
-    rc, summary, record, out, logs = run_call(tmp, LLMC=str(tmp / "llmc"))
+    rc, summary, record, out, logs = run_call(tmp, *parts(), *extra(), LLMC=str(tmp / "llmc"))
     assert rc == 0 and not re.search(r": exit [1-9](?!.*expected here)", summary), f"{summary}\n{logs}"
     return summary, record, out, tmp
 
@@ -134,12 +140,12 @@ def test_versions_shards_and_cuda_tests_collected(whole_call):
 
 def test_the_trainer_runs_and_their_ratios(whole_call):
     summary, record, out, _ = whole_call
-    for name in ("adamw", "muon", "sm75", "b128", "autotune"):
+    for name in ("adamw", "muon", "sm75", "b128", "autotune", "maxautotune"):
         assert re.search(rf"^{name}: 2 steps, loss_impl chunked; median of steps 1-1: [\d.]+ ms, [\d,]+ tok/s, "
                          r"MFU n/a; start-up \(compile included\) ~\d+ s; no compile fallback", summary, re.M), summary
         assert record[name]["steps"] == 2 and record[name]["exit"] == 0
     assert '"optimizer": "muon"' in (out / "muon.log").read_text()  # the Muon config's resolved config
-    for a, b in (("muon", "adamw"), ("b128", "adamw"), ("autotune", "adamw")):
+    for a, b in (("muon", "adamw"), ("b128", "adamw"), ("autotune", "adamw"), ("maxautotune", "adamw")):
         r = record[a]["tok_per_s"] / record[b]["tok_per_s"]
         assert record[f"{a}_vs_{b}"]["ratio"] == pytest.approx(r) and f"{a}/{b}: {r:.3f}" in summary
 
