@@ -188,7 +188,8 @@ def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
                        **SIZES[size])
     raw = GPT(config, activation_checkpointing=settings["ckpt"]).to(plan.device)
     step = Step(config, seq_len, dtype=plan.dtype, device_type=plan.device_type,
-                loss_impl=settings["loss"], activation_checkpointing=settings["ckpt"])
+                optimizer=optimizer, loss_impl=settings["loss"],
+                activation_checkpointing=settings["ckpt"])
     use_loss_head(raw, plan, step, micro_batch)
     ns_dtype = optim.ns_dtype_for(settings.get("dtype"), plan.device_type)
     with redirect0(None):  # the optimizer's line once a rung would bury the table

@@ -129,7 +129,8 @@ def param_counts(config):
 
 def training_bytes_estimate(step, micro_batch):
     """Bytes one rank needs for a training step at this micro-batch, by part (a dict), for the
-    eager model: on the safe side for "does it fit" (docs/benchmarks.md)."""
+    eager model (a full head as compiled where step.compiled): on the safe side for "does it fit"
+    (docs/benchmarks.md)."""
     config, B, T = step.config, micro_batch, step.seq_len
     n, block = param_counts(config)
     C, V, L = config.n_embd, config.vocab_size, config.n_layer
