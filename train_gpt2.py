@@ -353,8 +353,9 @@ def train(run, argv):
     for step in range(run.start_step, cfg.max_steps):
         t_iter, progress.at = time.time(), step
         if step != run.evals_done_at:  # (the resumed checkpoint ran this step's already)
-            if run_evals(run, step, False, progress):  # a signal cut the evaluation short
-                code = stop(run, step, progress, argv, progress.signals[0], in_eval=True)
+            sig = run_evals(run, step, False, progress)
+            if sig:  # a signal, on any rank, cut the evaluation short
+                code = stop(run, step, progress, argv, sig, in_eval=True)
                 break
             print_samples(run, step, False)
         if checkpoint.due(run, step, False, progress):
@@ -439,9 +440,10 @@ def wrap_up(run, progress):
     for what, work in (("the final evaluation", lambda: run_evals(run, step, True, progress)),
                        ("the end-of-run samples", lambda: print_samples(run, step, True))):
         try:
-            if work():  # cut short by a signal
-                print0(end_stopped_line(progress.signals[0], progress.newest))
-                return 128 + progress.signals[0]
+            sig = work()
+            if sig:  # cut short by a signal, on any rank
+                print0(end_stopped_line(sig, progress.newest))
+                return 128 + sig
         except Exception as e:  # noqa: BLE001 - optional: the run is saved, whatever went wrong
             print0(end_failed_line(what, e, progress.newest))
     return 0
@@ -487,16 +489,17 @@ def due(every, step, last):
 
 def run_evals(run, step, last, progress):
     """Run the val loss and HellaSwag due at this step (rank 0 logs them) and redraw curves.png
-    after them; return True when a stop signal cut an evaluation short (nothing of it logged)."""
+    after them; return the stop signal that cut an evaluation short (nothing of it logged), else
+    0."""
     cfg, phase, runlog, env = run.cfg, progress.phase, progress.runlog, run.env
-    stop_now = lambda: agree(float(bool(progress.signals)), "max", run.plan.device) > 0  # noqa
+    stop_now = lambda: stop_signal(progress, run.plan.device) > 0  # noqa: E731
     progress.phase = "eval" if phase == "step" else phase
     try:
         if due(cfg.eval_interval, step, last):
             val_loss = optim.evaluate(run.model, run.val_loader, cfg.val_steps, run.plan,
                                       env.world_size, stop_now)
-            if val_loss is None:
-                return True
+            if val_loss is None:  # every rank stopped at the same batch: each asks alike
+                return stop_signal(progress, run.plan.device)
             print0(f"step {step:6d} | val loss {val_loss:.4f}")
             runlog and runlog.write({"step": step, "val_loss": val_loss})
         if run.hellaswag and due(cfg.hellaswag_interval, step, last):
@@ -504,7 +507,7 @@ def run_evals(run, step, last, progress):
             res = hellaswag.evaluate(run.model, examples, plan=run.plan, progress=env.master,
                                      stop=None if env.ddp else stop_now)  # (ranks: other batches)
             if res.get("stopped"):
-                return True
+                return stop_signal(progress, run.plan.device)
             print0(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} "
                    f"acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"],
@@ -516,7 +519,15 @@ def run_evals(run, step, last, progress):
     if runlog and evals and (last or time.time() - progress.plotted_at > PLOT_EVERY):
         plot.refresh(cfg.out_dir)  # out_dir/curves.png when matplotlib is installed; never a crash
         progress.plotted_at = time.time()
-    return False
+    return 0
+
+
+def stop_signal(progress, device):
+    """The stop signal caught by any rank (the largest number over the ranks; 0: none). Under
+    torchrun a signal may reach one rank only: the others learn of it here, in an evaluation, as
+    they do from the step's all_reduce after a step (guard.Asks)."""
+    mine = progress.signals[0] if progress.signals else 0
+    return int(agree(float(mine), "max", device))
 
 
 def print_samples(run, step, last):

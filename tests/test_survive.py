@@ -20,6 +20,7 @@ import torch
 from gpt2train import optim
 from gpt2train import guard
 from conftest import ROOT, assert_same_state, load_ckpt, straight_args
+import train_gpt2
 from train_gpt2 import main
 
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -213,6 +214,22 @@ def test_signal_during_a_long_eval_is_answered_at_once_and_stops_it(data_dir, st
     assert main(resume[2:] + ["--val_steps=1"]) == 0  # the printed command, with a sane val_steps
     assert rows(out) == [r for r in rows(straight) if r["step"] >= 2]
     assert_same_state(os.path.join(out, "ckpt_000008.pt"), os.path.join(straight, "ckpt_000008.pt"))
+
+
+def test_a_peers_signal_heard_in_an_eval_stops_this_rank_with_it(data_dir, straight, tmp_path, monkeypatch, capsys):
+    """Under torchrun a signal may reach another rank only, during an evaluation: this rank, which caught none,
+    hears of it through the eval's all_reduce (the max over the ranks: a peer's SIGTERM, 15), stops the eval,
+    saves and exits 143 naming the peer's signal, as the signalled rank does (it once indexed its own empty list
+    of signals: IndexError, seen under torchrun in test_torchrun_one_rank_signalled_all_stop_at_one_step)."""
+    out = copy_run(straight, tmp_path / "run", ["ckpt_000002.pt"], log=False)  # trains step 2, evaluates at 3
+    peer = float(signal.SIGTERM)
+    monkeypatch.setattr(train_gpt2, "agree", lambda value, op, device: max(value, peer) if op == "max" else value)
+    assert main(straight_args(data_dir, out, resume="true")) == 128 + signal.SIGTERM
+    stdout = capsys.readouterr().out
+    assert "SIGTERM: stopped after step 2 (in the evaluation at step 3), saved" in stdout, stdout[-2000:]
+    step, path, _ = stop_line(stdout)
+    assert step == 2 and path == os.path.join(out, "ckpt_000003.pt") and os.path.isfile(path)
+    assert "val_loss" not in open(os.path.join(out, "log.jsonl")).read()
 
 # -----------------------------------------------------------------------------
 # in this process: a second signal, the time limit
