@@ -580,8 +580,24 @@ def run(args):
         write_json(manifest_path, make_manifest(settings, shards, complete=False))
     if shards:
         print(f"resuming after {len(shards)} complete shards, at document {doc:,}")
+    total = write_shards(args, settings, shards, doc, offset)
+    finish_build(args, settings, shards, total)
 
+
+def open_stream(args, doc):
+    """(the worker pool or None, the stream of tokenized documents from document doc on)."""
+    # a local source of about one batch is encoded faster here than it takes to start a pool
+    small = args.source and sum(os.path.getsize(p) for p in args.source) <= BATCH_CHARS
+    num_proc = 1 if small else args.num_proc
+    pool = start_pool(num_proc)
+    return pool, tokenize(iter_documents(args, skip=doc), pool, num_proc)
+
+
+def write_shards(args, settings, shards, doc, offset):
+    """Tokenize from document doc (its first offset tokens already kept) into shards, appending
+    each to shards and the manifest as it is saved; returns the total tokens."""
     from tqdm import tqdm
+    manifest_path = os.path.join(args.out_dir, MANIFEST)
     max_tokens = args.max_tokens or float("inf")
     total = sum(s["tokens"] for s in shards)
     # the parts of one chunk share its end position
@@ -617,11 +633,7 @@ def run(args):
 
     bar = tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True, desc="tokenizing",
                smoothing=0.05)
-    # a local source of about one batch is encoded faster here than it takes to start a pool
-    small = args.source and sum(os.path.getsize(p) for p in args.source) <= BATCH_CHARS
-    num_proc = 1 if small else args.num_proc
-    pool = start_pool(num_proc)
-    stream = tokenize(iter_documents(args, skip=doc), pool, num_proc)
+    pool, stream = open_stream(args, doc)
     try:
         # (n,) uint16: whole documents doc, doc+1, ..., each starting with EOT
         for tokens in stream:
@@ -651,4 +663,4 @@ def run(args):
             pool.shutdown(wait=True, cancel_futures=True)
         writer.shutdown(wait=True)  # a shard being saved is finished, even on Ctrl-C
         bar.close()
-    finish_build(args, settings, shards, total)
+    return total
