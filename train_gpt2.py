@@ -16,7 +16,6 @@ finish the step, save and print the command that continues. Here, in the order t
 setup() and its parts, the loop (train) and its periodic work; the step itself is optim.py's.
 """
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -35,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
 from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
-from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
+from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
+from gpt2train.config import parse_args
 from gpt2train.data import TokenLoader
 from gpt2train.distributed import DistEnv, agree
 from gpt2train.fileio import UserError, fail, launcher_note, write_json
@@ -67,9 +67,11 @@ def main(argv):
         run = setup(cfg, given, env, lock)
         if run is None:
             return 0
+        config_json, saved = (os.path.join(run.cfg.out_dir, "config.json"),
+                              asked_and_resolved(cfg, given, run.cfg))
         if env.master:
-            config_json = os.path.join(run.cfg.out_dir, "config.json")
-            write_json(config_json, asked_and_resolved(cfg, given, run.cfg))
+            write_json(config_json, saved)
+        print0(changes(saved, config_json))  # a few lines: every key is in config.json
         return train(run, argv)
     except (UserError, OSError) as e:  # bad input: 2; a full disk or I/O error while writing: 1
         return fail(e, quiet=not env.master)
@@ -393,10 +395,9 @@ def train(run, argv):
 
 
 def start(run):
-    """Print the resolved config and the run's size, open rank 0's log (log.jsonl, TensorBoard / W&B
-    when asked: logger.py) and return the loop's Progress, the skip guard in it."""
+    """Print the run's size, open rank 0's log (log.jsonl, TensorBoard / W&B when asked: logger.py)
+    and return the loop's Progress, the skip guard in it."""
     cfg, env = run.cfg, run.env
-    print0(json.dumps(dataclasses.asdict(cfg), indent=2))
     n_params = run.raw_model.num_params(non_embedding=False)
     print0(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = {run.B} x {run.T} "
            f"x {env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | "

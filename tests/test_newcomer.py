@@ -340,3 +340,35 @@ def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
     assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "readonly" / "run"), max_steps=1)) == 2
     line = one_line(capsys.readouterr().err)
     assert "Read-only file system; choose a folder you can write to, or change its permissions" in line
+
+# -----------------------------------------------------------------------------
+# issue 44 item 6: start-up silences and noise
+
+
+def test_the_start_says_what_differs_from_the_defaults_in_a_few_lines(data_dir, tmp_path, capsys):
+    """Every start printed the whole config as ~60 lines of JSON: now a block of the keys set that differ from the
+    defaults and what the run decided, each named with its value, and where the whole config is."""
+    out = str(tmp_path / "out")
+    assert train_gpt2.main(tiny_args(data_dir, out, max_steps=1, eval_interval=0, checkpoint_interval=0)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert not [line for line in printed if line.lstrip().startswith(("{", "}", '"'))], printed  # no JSON
+    first = printed.index(f"config: what differs from the defaults (every key: {os.path.join(out, 'config.json')})")
+    block = []
+    for line in printed[first + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    assert 2 <= len(block) <= 6, printed  # 20 keys set (two long paths: a line each), 4 decided; was 63 lines of JSON
+    said = " " + " ".join(block) + " "
+    saved = json.load(open(os.path.join(out, "config.json")))
+    changed = {k: v for k, v in saved["asked"].items() if v != config.FIELDS[k].default}
+    assert len(changed) == 20 and saved["decided"] == ["compile", "device", "loss_impl", "precision"]
+    for key, value in [*changed.items(), *((k, saved["resolved"][k]) for k in saved["decided"])]:
+        assert f" {key}={config.shown(value)} " in said, (key, said)
+    assert " seed=0 " in said and " shuffle=" not in said and " warmup_steps=" in said  # set, not a default: said
+    assert printed[first + 1 + len(block)].startswith("15,840 parameters | 64 tokens per step")
+    again = tiny_args(data_dir, out, max_steps=1, eval_interval=0, checkpoint_interval=0, resume="auto")
+    assert train_gpt2.main(again) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to do" in printed and "config:" not in printed and "{" not in printed  # a finished run: no config
+
