@@ -168,8 +168,7 @@ def setup(cfg, given, env, lock):
         checkpoint.say_extension(cfg, ckpt, out_dir)
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
     if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses
-        precision.use_compile_cache(cache)
-        print0(f"compile cache: {cache}")
+        precision.use_compile_cache(cache)  # (said in compile_note's line, at that compile)
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(cfg.seed)
@@ -188,7 +187,8 @@ def setup(cfg, given, env, lock):
                        divide=given.get("micro_batch_size") != "cli",  # a config file's adapts
                        shrink_seq="seq_len" not in given and ckpt is None)
     asked = None if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked)
+    said = precision.compile_note(cache) if plan.compile else ""  # at the first compile: said once
+    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
     if why:
         print0(why)
     step = dataclasses.replace(step, seq_len=T)
@@ -197,6 +197,8 @@ def setup(cfg, given, env, lock):
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus); compile, DDP
     data_dir = distributed.rank0_first(
         lambda: data.prepare_run_data(cfg, out_dir, B, T, env, ckpt), env, startup)
+    if said and timed is None:  # the finder did not compile: compile_and_wrap's is the first
+        print0(said)
     model, train_model, plan = compile_and_wrap(raw_model, timed, step, B, plan, env)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # eager from here
         loss_impl = choose_loss_head(raw_model, plan, step, B)

@@ -426,3 +426,32 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
     memory.set_loss_head(model, plan, b, 1024, "chunked")  # what the trainer sets after the finder
     assert model.ce_chunk_rows == dict(probed)[b]
+
+
+def test_finder_says_the_compile_before_it(monkeypatch, capsys):
+    """Issue 44 item 6: micro_batch_size=auto on a GPU compiles in the finder, the run's first compile: the note
+    (precision.compile_note) comes right before it, once, however many sizes are timed after."""
+    plan, model, now, said_before = gpu_plan((9, 0), 80), gpt2_on_meta(), {}, []
+
+    def fake_probe(step_model, optimizers, b, seq_len, plan, steps):
+        now["b"] = b
+        return 0.01 * b ** 0.9
+
+    def fake_compile(m, plan):
+        said_before.append(capsys.readouterr().out)
+        return m  # (the model itself: nothing compiled, nothing probed)
+
+    monkeypatch.setattr(memory, "probe_steps", fake_probe)
+    monkeypatch.setattr(memory, "compile_model", fake_compile)
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
+    note = precision.compile_note("/runs/.compile_cache")
+    timed = memory.choose_micro_batch(model, [], plan, shape(model, plan), None, note)[3]
+    assert said_before == [note + "\n"] and "compiling" not in capsys.readouterr().out, said_before
+    assert timed is model  # (the fake compile: the model itself)
+    memory.choose_micro_batch(model, [], plan, shape(model, plan), 64, note)  # no finder: the trainer says it
+    memory.choose_micro_batch(model, [], dataclasses.replace(plan, compile=False), shape(model, plan), None, note)
+    assert said_before[1:] == [""] and "compiling" not in capsys.readouterr().out  # a plan without compile: none

@@ -372,3 +372,29 @@ def test_the_start_says_what_differs_from_the_defaults_in_a_few_lines(data_dir, 
     printed = capsys.readouterr().out
     assert "nothing to do" in printed and "config:" not in printed and "{" not in printed  # a finished run: no config
 
+
+def test_the_first_compile_is_said_once_right_before_it(data_dir, tmp_path, monkeypatch, capsys):
+    """On a GPU the model compiled for ~50 s between the start-up lines and step 0 without a word: one line, on
+    rank 0, right before the first compile, says so and names the cache a later start reuses. (The compile itself
+    is left out: the probe 'fails' and the run goes on eagerly.)"""
+    from gpt2train import precision
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "restored"))  # use_compile_cache sets it: undone
+    printed_before = []
+
+    def no_compile(step_model, micro_batch, seq_len, plan):
+        printed_before.append(capsys.readouterr().out)
+        return False
+
+    monkeypatch.setattr(precision, "compiles", no_compile)
+    out = tmp_path / "runs" / "a"
+    args = tiny_args(data_dir, str(out), max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert train_gpt2.main(args + ["--compile=true"]) == 0
+    after = capsys.readouterr().out
+    note = precision.compile_note(str(tmp_path / "runs" / ".compile_cache"))
+    assert len(printed_before) == 1 and printed_before[0].splitlines()[-1] == note, printed_before
+    assert note.startswith("compiling the model (torch.compile; ") and note.endswith(
+        f"later starts reuse {tmp_path / 'runs' / '.compile_cache'}")
+    assert (printed_before[0] + after).count("compiling the model") == 1
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "eager"), max_steps=1, eval_interval=0)) == 0
+    assert "compiling the model" not in capsys.readouterr().out  # no compile, no line
+    assert "torch's default cache in /tmp" in precision.compile_note(None)  # compile_cache_dir="": torch's folder
