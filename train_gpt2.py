@@ -16,7 +16,6 @@ finish the step, save and print the command that continues. Here, in the order t
 setup() and its parts, the loop (train) and its periodic work; the step itself is optim.py's.
 """
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -35,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
 from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
-from gpt2train.config import asked_and_resolved, check_shape, help_text, oddities, parse_args
+from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
+from gpt2train.config import parse_args
 from gpt2train.data import TokenLoader
 from gpt2train.distributed import DistEnv, agree
 from gpt2train.fileio import UserError, fail, launcher_note, write_json
@@ -67,9 +67,11 @@ def main(argv):
         run = setup(cfg, given, env, lock)
         if run is None:
             return 0
+        config_json, saved = (os.path.join(run.cfg.out_dir, "config.json"),
+                              asked_and_resolved(cfg, given, run.cfg))
         if env.master:
-            config_json = os.path.join(run.cfg.out_dir, "config.json")
-            write_json(config_json, asked_and_resolved(cfg, given, run.cfg))
+            write_json(config_json, saved)
+        print0(changes(saved, config_json))  # a few lines: every key is in config.json
         return train(run, argv)
     except (UserError, OSError) as e:  # bad input: 2; a full disk or I/O error while writing: 1
         return fail(e, quiet=not env.master)
@@ -166,8 +168,7 @@ def setup(cfg, given, env, lock):
         checkpoint.say_extension(cfg, ckpt, out_dir)
     cache = precision.compile_cache_dir(cfg.compile_cache_dir, out_dir) if plan.compile else None
     if cache:  # before the first compile (the finder's or compile_and_wrap's): a new session reuses
-        precision.use_compile_cache(cache)
-        print0(f"compile cache: {cache}")
+        precision.use_compile_cache(cache)  # (said in compile_note's line, at that compile)
 
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(cfg.seed)
@@ -186,7 +187,8 @@ def setup(cfg, given, env, lock):
                        divide=given.get("micro_batch_size") != "cli",  # a config file's adapts
                        shrink_seq="seq_len" not in given and ckpt is None)
     asked = None if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked)
+    said = precision.compile_note(cache) if plan.compile else ""  # at the first compile: said once
+    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
     if why:
         print0(why)
     step = dataclasses.replace(step, seq_len=T)
@@ -195,6 +197,8 @@ def setup(cfg, given, env, lock):
     # data (rank 0 first: it tokenizes --data or builds the quickstart corpus); compile, DDP
     data_dir = distributed.rank0_first(
         lambda: data.prepare_run_data(cfg, out_dir, B, T, env, ckpt), env, startup)
+    if said and timed is None:  # the finder did not compile: compile_and_wrap's is the first
+        print0(said)
     model, train_model, plan = compile_and_wrap(raw_model, timed, step, B, plan, env)
     if not plan.compile and loss_impl == "full" and cfg.loss_impl == "auto":  # eager from here
         loss_impl = choose_loss_head(raw_model, plan, step, B)
@@ -393,10 +397,9 @@ def train(run, argv):
 
 
 def start(run):
-    """Print the resolved config and the run's size, open rank 0's log (log.jsonl, TensorBoard / W&B
-    when asked: logger.py) and return the loop's Progress, the skip guard in it."""
+    """Print the run's size, open rank 0's log (log.jsonl, TensorBoard / W&B when asked: logger.py)
+    and return the loop's Progress, the skip guard in it."""
     cfg, env = run.cfg, run.env
-    print0(json.dumps(dataclasses.asdict(cfg), indent=2))
     n_params = run.raw_model.num_params(non_embedding=False)
     print0(f"{n_params:,} parameters | {run.tokens_per_step:,} tokens per step = {run.B} x {run.T} "
            f"x {env.world_size} rank(s) x {run.grad_accum} accumulation step(s) | "

@@ -341,6 +341,35 @@ def asked_and_resolved(cfg, given, resolved):
             "decided": sorted(k for k in asked if asked[k] != got[k])}
 
 
+def shown(value):
+    """A config value as --key=value writes it: true/false, numbers, plain words bare; other strings
+    (empty, spaces, commas, quotes) quoted."""
+    if isinstance(value, str) and value and not re.search(r"[\s,\"'=]", value):
+        return value
+    return json.dumps(value)
+
+
+def changes(saved, path, width=100):
+    """The start-up's config block, from config.json's dict (asked_and_resolved): the keys set in a
+    config file or flag whose value differs from the default, then what the run decided (device,
+    precision, micro-batch, ...), key=value in Config's order, wrapped at width (never inside a
+    value); the whole config is in path. A few lines instead of every key."""
+    asked, got, default = saved["asked"], saved["resolved"], dataclasses.asdict(Config())
+    set_ = [f"{k}={shown(asked[k])}" for k in FIELDS if k in asked and asked[k] != default[k]]
+    chose = [f"{k}={shown(got[k])}" for k in FIELDS if k in saved["decided"]]
+    lines = [f"config: what differs from the defaults (every key: {path})"]
+    for title, items in (("set", set_), ("decided", chose)):
+        line = f"  {title}:"
+        for item in items:
+            if len(line) + 1 + len(item) > width and not line.endswith(":"):
+                lines.append(line)
+                line = "   "
+            line += " " + item
+        if items:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 # -----------------------------------------------------------------------------
 # --help
 
@@ -378,8 +407,8 @@ def help_text(width=None):
     sections, meaning = config_sections()
     lines = ["usage: python train_gpt2.py [CONFIG_FILE ...] [--key=value ...]", "", textwrap.fill(
         "Config files (plain Python assignments, see configs/) and --key=value overrides apply in "
-        "order to the defaults below; the resolved config is printed at start-up and saved as "
-        "out_dir/config.json.", width)]
+        "order to the defaults below; what differs from them is printed at start-up, the whole "
+        "resolved config saved as out_dir/config.json.", width)]
     for title, names in sections:
         lines += ["", textwrap.fill(title + ":", width, break_on_hyphens=False)]
         for name in names:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from gpt2train.config import Config
 from gpt2train.distributed import agree
 from gpt2train.fileio import UserError
-from gpt2train.logger import warn0
+from gpt2train.logger import print0, warn0
 from gpt2train.loss import CE_CHUNK_ROWS, full_head_bytes, loss_chunk_rows, loss_head_temp_bytes
 from gpt2train.optim import train_step
 from gpt2train.precision import (available_ram, compile_model, compiles, free_memory,
@@ -402,9 +402,10 @@ def micro_batch_cap(step, budget, slack=4):
                  f"{step.activation_checkpointing}{fsdp} fits {est}; probed up to {cap}")
 
 
-def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
+def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, compile_line=""):
     """micro_batch_size=auto: (micro_batch, reason, the model the sizes were timed with or None),
-    probed on CUDA (the fastest of the largest that fit, minimum over ranks), else the default."""
+    probed on CUDA (the fastest of the largest that fit, minimum over ranks), else the default.
+    compile_line: said before the compile (precision.compile_note), or "" (bench: nothing)."""
     T, world, total = step.seq_len, step.world_size, step.total_batch_size
     if plan.device_type != "cuda":
         b = DEFAULT_MICRO_BATCH
@@ -448,6 +449,8 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
 
     def measure(b):
         if not timed:
+            if compile_line and plan.compile:  # the run's first compile: a minute of silence else
+                print0(compile_line)
             compiled = compile_model(model, plan)
             ok = compiled is model or compiles(compiled, b, T, plan)
             timed.append(compiled if agree(float(ok), "min", plan.device) == 1.0 else model)
@@ -463,14 +466,16 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
     return b, reason, timed[0] if timed else None
 
 
-def choose_micro_batch(model, optimizers, plan, step, asked):
+def choose_micro_batch(model, optimizers, plan, step, asked, compile_line=""):
     """(B, T, why for the log or "", the model the finder timed or None): the run's micro-batch
     (and on small GPUs seq_len) for asked, an int or None (auto); where step.fit, fitted to the
-    GPU's memory or the free RAM; one not dividing total_batch_size is lowered or refused."""
+    GPU's memory or the free RAM; one not dividing total_batch_size is lowered or refused.
+    compile_line: said before the finder compiles (auto_micro_batch)."""
     micro_batch, T, V, why, timed = asked, step.seq_len, step.config.vocab_size, "", None
     if asked is None:
         try:
-            micro_batch, why, timed = auto_micro_batch(model, optimizers, plan, step)
+            micro_batch, why, timed = auto_micro_batch(model, optimizers, plan, step,
+                                                       compile_line=compile_line)
         except ValueError as e:
             raise UserError(f"micro_batch_size=auto: {e}") from None
     elif step.fit and plan.device_type == "cuda":

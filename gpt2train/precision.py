@@ -387,6 +387,16 @@ def use_compile_cache(folder):
         torch._functorch.config.enable_autograd_cache = True  # the backward's graph too
 
 
+def compile_note(cache):
+    """The line said once, before a run's first compile: what the silence that follows is (124M on
+    an H200: start-up ~58 s with an empty cache, ~27 s with a warm one: docs/benchmarks.md), and
+    where a later start finds the compiled graphs (cache: compile_cache_dir's folder; None:
+    torch's default, in /tmp)."""
+    where = cache or "torch's default cache in /tmp (compile_cache_dir=\"\")"
+    return (f"compiling the model (torch.compile; 124M on an H200: ~1 min at the first start); "
+            f"later starts reuse {where}")
+
+
 def compile_model(model, plan, backend="inductor", mode=None):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model

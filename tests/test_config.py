@@ -111,6 +111,33 @@ def test_asked_and_resolved_side_by_side():
     assert out["decided"] == ["micro_batch_size"]
 
 
+def test_start_up_block_names_what_differs_from_the_defaults():
+    """Issue 44 item 6: the start printed every key as ~60 lines of JSON. Now: the keys set that differ from the
+    defaults as asked, then what the run decided as resolved, key=value, a few lines, config.json named."""
+    argv = [os.path.join(ROOT, "configs", "gpt2_124m.py"), "--max_steps=12", "--sample_prompt=Once upon a time, a",
+            "--micro_batch_size=64", "--data=", "--out_dir=out/try"]
+    cfg, given = parse_args(argv)
+    resolved = dataclasses.replace(cfg, device="cuda", precision="bf16", compile="true", loss_impl="full",
+                                   micro_batch_size=16)
+    block = config.changes(asked_and_resolved(cfg, given, resolved), "out/try/config.json")
+    lines = block.splitlines()
+    assert lines[0] == "config: what differs from the defaults (every key: out/try/config.json)"
+    assert 3 <= len(lines) <= 5 and all(len(line) <= 100 for line in lines), block
+    said = " ".join(lines[1:])
+    set_part, decided_part = said.split("decided:")
+    assert set_part.split() == ["set:", "out_dir=out/try", "max_steps=12", "sample_prompt=\"Once", "upon", "a",
+                                "time,", "a\"", "resume=auto"]  # in Config's order
+    # configs/gpt2_124m.py's other keys (n_layer = 12, max_lr = 6e-4, ...) and --micro_batch_size=64, --data=
+    # are the defaults: not said
+    assert decided_part.split() == ["micro_batch_size=16", "device=cuda", "precision=bf16", "compile=true",
+                                    "loss_impl=full"]
+    assert 'sample_prompt="Once upon a time, a"' in block and "max_lr" not in block  # a value is never split
+    quickstart = parse_args([os.path.join(ROOT, "configs", "quickstart.py")])
+    wide = config.changes(asked_and_resolved(*quickstart, cfg), "c.json", width=60)
+    assert len(wide.splitlines()) > 3 and all(len(line) <= 60 for line in wide.splitlines()), wide
+    assert config.shown("") == '""' and config.shown(True) == "true" and config.shown(6e-4) == "0.0006"
+
+
 def test_oddities_warn_of_a_warmup_as_long_as_the_run():
     assert oddities(Config(warmup_steps=9, max_steps=10)) == []
     (line,) = oddities(Config(warmup_steps=10, max_steps=10))

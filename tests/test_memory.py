@@ -2,6 +2,8 @@
 measured peak), the memory line, the sm7x fit, the micro-batch search (with injected memory and speed
 functions, checked against brute force), the CPU side of the probing, and the one micro-batch decision."""
 import dataclasses
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +14,7 @@ from gpt2train import loss
 from gpt2train import optim
 from gpt2train import memory
 from gpt2train import precision
-from conftest import adamw, cpu_plan, tiny_model
+from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
 from gpt2train.loss import CE_CHUNK_ROWS
 from gpt2train.memory import Step, fit_micro_batch, param_counts, training_bytes_estimate
@@ -387,6 +389,28 @@ def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(mo
     assert memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)[:2] == (16, 1024)
 
 
+@pytest.mark.parametrize("cap, gib, optimizer", [((8, 6), 22, "adamw"), ((8, 9), 23.6, "adamw"), ((8, 6), 24, "muon")])
+def test_docs_say_what_a_24_gb_card_fits(cap, gib, optimizer):
+    """Issue 44 item 7: docs/precision.md gave a 24 GB card (RTX 3090/4090, A10, L4) the config's micro-batch; the
+    trainer fits it. The page's figures are the code's pick for configs/gpt2_124m.py (micro-batch not set, loss_impl
+    auto, compiled) on an sm86/sm89 card of 22 to 24 GiB, the micro-batch and the loss head both."""
+    text = " ".join(open(os.path.join(ROOT, "docs", "precision.md")).read().split())
+    said = re.search(r"64 × 1024 needs ~([\d.]+) GiB by the estimate, so the trainer fits (\d+) × 1024 \(grad_accum "
+                     r"(\d+) .*?\(`loss_impl=full`, ~([\d.]+) GiB estimated", text)
+    assert said and f"(24 GB: {said[2]} × 1024)" in text, "docs/precision.md: the 24 GB card's paragraph"
+    gpu, model = gpu_plan(cap, gib), gpt2_on_meta()
+    step = dataclasses.replace(shape(model, gpu), optimizer=optimizer, loss_impl="auto", compiled=True)
+    b, t, why, _ = memory.choose_micro_batch(model, [], gpu, step, 64)
+    assert (b, t) == (int(said[2]), 1024) and f"grad_accum {said[3]} " in why, why
+    head, head_why = memory.choose_loss_impl(gpu, step, b)
+    assert head == "full"
+    if optimizer == "adamw":  # the figures the page quotes
+        chunk = memory.loss_chunk(gpu, 64 * 1024, GPT2.vocab_size)
+        assert memory.fmt_bytes(memory.training_bytes(dataclasses.replace(step, ce_chunk_rows=chunk), 64)) == \
+            f"{said[1]} GiB"
+        assert f"(~{said[4]} GiB estimated" in head_why, head_why
+
+
 @pytest.mark.parametrize("plan", [*precision.EMULATED_PLANS, "22 GiB"])
 def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
     """An H200 checkpoint resumed on a smaller GPU (each emulated plan's card; and a 24 GB card with 22 GiB
@@ -426,3 +450,32 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
     memory.set_loss_head(model, plan, b, 1024, "chunked")  # what the trainer sets after the finder
     assert model.ce_chunk_rows == dict(probed)[b]
+
+
+def test_finder_says_the_compile_before_it(monkeypatch, capsys):
+    """Issue 44 item 6: micro_batch_size=auto on a GPU compiles in the finder, the run's first compile: the note
+    (precision.compile_note) comes right before it, once, however many sizes are timed after."""
+    plan, model, now, said_before = gpu_plan((9, 0), 80), gpt2_on_meta(), {}, []
+
+    def fake_probe(step_model, optimizers, b, seq_len, plan, steps):
+        now["b"] = b
+        return 0.01 * b ** 0.9
+
+    def fake_compile(m, plan):
+        said_before.append(capsys.readouterr().out)
+        return m  # (the model itself: nothing compiled, nothing probed)
+
+    monkeypatch.setattr(memory, "probe_steps", fake_probe)
+    monkeypatch.setattr(memory, "compile_model", fake_compile)
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
+    note = precision.compile_note("/runs/.compile_cache")
+    timed = memory.choose_micro_batch(model, [], plan, shape(model, plan), None, note)[3]
+    assert said_before == [note + "\n"] and "compiling" not in capsys.readouterr().out, said_before
+    assert timed is model  # (the fake compile: the model itself)
+    memory.choose_micro_batch(model, [], plan, shape(model, plan), 64, note)  # no finder: the trainer says it
+    memory.choose_micro_batch(model, [], dataclasses.replace(plan, compile=False), shape(model, plan), None, note)
+    assert said_before[1:] == [""] and "compiling" not in capsys.readouterr().out  # a plan without compile: none

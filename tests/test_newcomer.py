@@ -340,3 +340,61 @@ def test_cosmetics_of_a_first_hour(data_dir, tmp_path, monkeypatch, capsys):
     assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "readonly" / "run"), max_steps=1)) == 2
     line = one_line(capsys.readouterr().err)
     assert "Read-only file system; choose a folder you can write to, or change its permissions" in line
+
+# -----------------------------------------------------------------------------
+# issue 44 item 6: start-up silences and noise
+
+
+def test_the_start_says_what_differs_from_the_defaults_in_a_few_lines(data_dir, tmp_path, capsys):
+    """Every start printed the whole config as ~60 lines of JSON: now a block of the keys set that differ from the
+    defaults and what the run decided, each named with its value, and where the whole config is."""
+    out = str(tmp_path / "out")
+    assert train_gpt2.main(tiny_args(data_dir, out, max_steps=1, eval_interval=0, checkpoint_interval=0)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert not [line for line in printed if line.lstrip().startswith(("{", "}", '"'))], printed  # no JSON
+    first = printed.index(f"config: what differs from the defaults (every key: {os.path.join(out, 'config.json')})")
+    block = []
+    for line in printed[first + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    assert 2 <= len(block) <= 6, printed  # 20 keys set (two long paths: a line each), 4 decided; was 63 lines of JSON
+    said = " " + " ".join(block) + " "
+    saved = json.load(open(os.path.join(out, "config.json")))
+    changed = {k: v for k, v in saved["asked"].items() if v != config.FIELDS[k].default}
+    assert len(changed) == 20 and saved["decided"] == ["compile", "device", "loss_impl", "precision"]
+    for key, value in [*changed.items(), *((k, saved["resolved"][k]) for k in saved["decided"])]:
+        assert f" {key}={config.shown(value)} " in said, (key, said)
+    assert " seed=0 " in said and " shuffle=" not in said and " warmup_steps=" in said  # set, not a default: said
+    assert printed[first + 1 + len(block)].startswith("15,840 parameters | 64 tokens per step")
+    again = tiny_args(data_dir, out, max_steps=1, eval_interval=0, checkpoint_interval=0, resume="auto")
+    assert train_gpt2.main(again) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to do" in printed and "config:" not in printed and "{" not in printed  # a finished run: no config
+
+
+def test_the_first_compile_is_said_once_right_before_it(data_dir, tmp_path, monkeypatch, capsys):
+    """On a GPU the model compiled for ~50 s between the start-up lines and step 0 without a word: one line, on
+    rank 0, right before the first compile, says so and names the cache a later start reuses. (The compile itself
+    is left out: the probe 'fails' and the run goes on eagerly.)"""
+    from gpt2train import precision
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "restored"))  # use_compile_cache sets it: undone
+    printed_before = []
+
+    def no_compile(step_model, micro_batch, seq_len, plan):
+        printed_before.append(capsys.readouterr().out)
+        return False
+
+    monkeypatch.setattr(precision, "compiles", no_compile)
+    out = tmp_path / "runs" / "a"
+    args = tiny_args(data_dir, str(out), max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert train_gpt2.main(args + ["--compile=true"]) == 0
+    after = capsys.readouterr().out
+    note = precision.compile_note(str(tmp_path / "runs" / ".compile_cache"))
+    assert len(printed_before) == 1 and printed_before[0].splitlines()[-1] == note, printed_before
+    assert note.startswith("compiling the model (torch.compile; ") and note.endswith(
+        f"later starts reuse {tmp_path / 'runs' / '.compile_cache'}")
+    assert (printed_before[0] + after).count("compiling the model") == 1
+    assert train_gpt2.main(tiny_args(data_dir, str(tmp_path / "eager"), max_steps=1, eval_interval=0)) == 0
+    assert "compiling the model" not in capsys.readouterr().out  # no compile, no line
+    assert "torch's default cache in /tmp" in precision.compile_note(None)  # compile_cache_dir="": torch's folder
