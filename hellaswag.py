@@ -337,26 +337,63 @@ def batch_losses(model, idx, row_id, pos, tgt, counts, packing=None):
 def evaluate(model, examples, *, plan, batch_size=16, progress=False, stop=None):
     """Accuracy of model on examples, on plan.device under the plan's autocast (precision.autocast):
     this rank scores examples[rank::world_size] (torch.distributed's, when it is initialized; else
-    all of them), batch_size examples per forward, and the counts are summed over ranks with
-    all_reduce. Each example is packed (collate_packed) where ctx + 4 endings fit block_size, else
-    it is 4 rows (collate). An eager model gets one example per packed row,
-    each batch padded to its own longest row. A compiled model gets one fixed shape per path, so it
-    compiles once per evaluation set, not once per batch: batch_size packed rows of T tokens (T:
-    this rank's longest packed example, rounded up to 16), short examples sharing a row (pack_rows)
-    instead of padding, and (4 * batch_size, T') for the 4-row examples.
+    all of them), batch_size examples per forward (batches_of), and the counts are summed over
+    ranks with all_reduce.
     stop: None, or a callable asked before each batch (one process only: ranks hold different
     batches); when it says True the evaluation ends there and returns {"stopped": True}.
     Returns {"n", "acc", "acc_norm", "truncated", "examples": this rank's [{"index", "label",
     "pred", "pred_norm"}]}; the model goes back to the train/eval mode it came in."""
     raw = getattr(model, "_orig_mod", model)
-    block_size = raw.config.block_size
     ranks = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if ranks else (0, 1)
     local = examples[rank::world_size]
+    batches, shapes = batches_of(model, local, raw.config.block_size, batch_size)
+    was_training = raw.training
+    raw.eval()
+    results, n_cut, correct, correct_norm = [], 0, 0, 0
+    try:
+        bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress,
+                   dynamic_ncols=True)
+        for batch, is_packed in batches:
+            if stop is not None and stop():
+                bar.close()
+                return {"stopped": True}
+            batch, pred, pred_norm, cut = score_batch(model, batch, is_packed, shapes, plan)
+            for ex, p, pn in zip(batch, pred, pred_norm):
+                results.append({"index": ex["index"], "label": ex["label"], "pred": p,
+                                "pred_norm": pn})
+                correct += p == ex["label"]
+                correct_norm += pn == ex["label"]
+            n_cut += cut
+            bar.update(len(batch))
+            bar.set_postfix(acc=f"{correct / len(results):.4f}",
+                            acc_norm=f"{correct_norm / len(results):.4f}")
+        bar.close()
+    finally:
+        raw.train(was_training)
+    counts = torch.tensor([len(results), correct, correct_norm, n_cut], device=plan.device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    n, correct, correct_norm, truncated = counts.tolist()
+    return {"n": n, "acc": correct / n if n else float("nan"),
+            "acc_norm": correct_norm / n if n else float("nan"),
+            "truncated": truncated, "examples": sorted(results, key=lambda r: r["index"])}
+
+
+def batches_of(model, examples, block_size, batch_size):
+    """The examples in batches, [(batch, packed)], and the shapes they are padded to,
+    (packed_shape, rows_shape). Each example is packed (collate_packed) where ctx + 4 endings fit
+    block_size, else it is 4 rows (collate); similar lengths together. An eager model gets one
+    example per packed row, each batch padded to its own longest row (shapes None). A compiled
+    model gets one fixed shape per path, so it compiles once per evaluation set, not once per
+    batch: batch_size packed rows of T tokens (T: the longest packed example, rounded up to 16),
+    short examples sharing a row (pack_rows) instead of padding, and (4 * batch_size, T') for the
+    4-row examples."""
     longest = lambda ex: max(len(r) for r in rows_of(ex, block_size)[0])  # noqa: E731
-    # packed where it fits, else 4 rows; similar lengths together
-    packed = sorted([ex for ex in local if packable(ex, block_size)], key=packed_len, reverse=True)
-    rows = sorted([ex for ex in local if not packable(ex, block_size)], key=longest, reverse=True)
+    packed = sorted([ex for ex in examples if packable(ex, block_size)], key=packed_len,
+                    reverse=True)
+    rows = sorted([ex for ex in examples if not packable(ex, block_size)], key=longest,
+                  reverse=True)
     packed_rows = [[ex] for ex in packed]
     packed_shape = rows_shape = None  # eager: each batch padded only to its own longest row
     # T a multiple of 16: the memory-efficient kernel wants aligned mask rows
@@ -368,51 +405,30 @@ def evaluate(model, examples, *, plan, batch_size=16, progress=False, stop=None)
     batches = ([(packed_rows[i:i + batch_size], True)
                 for i in range(0, len(packed_rows), batch_size)]
                + [(rows[i:i + batch_size], False) for i in range(0, len(rows), batch_size)])
-    was_training = raw.training
-    raw.eval()
-    results, n_cut, correct, correct_norm = [], 0, 0, 0
-    device = plan.device
-    to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    try:
-        bar = tqdm(total=len(local), unit="ex", desc="hellaswag", disable=not progress,
-                   dynamic_ncols=True)
-        for batch, is_packed in batches:
-            if stop is not None and stop():
-                bar.close()
-                return {"stopped": True}
-            if is_packed:
-                idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = \
-                    collate_packed(batch, packed_shape)
-                packing = (to(seq_id), to(pos_ids), to(attn_mask))
-                batch, cut = [ex for row in batch for ex in row], 0
-            else:
-                idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
-                packing = None
-            with precision.autocast(plan):
-                summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt),
-                                            to(counts), packing)  # (R,), (R,)
-            E = len(batch)
-            pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
-            pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()
-            for ex, p, pn in zip(batch, pred, pred_norm):
-                results.append({"index": ex["index"], "label": ex["label"], "pred": p,
-                                "pred_norm": pn})
-                correct += p == ex["label"]
-                correct_norm += pn == ex["label"]
-            n_cut += cut
-            bar.update(E)
-            bar.set_postfix(acc=f"{correct / len(results):.4f}",
-                            acc_norm=f"{correct_norm / len(results):.4f}")
-        bar.close()
-    finally:
-        raw.train(was_training)
-    counts = torch.tensor([len(results), correct, correct_norm, n_cut], device=device)
-    if world_size > 1:
-        dist.all_reduce(counts)
-    n, correct, correct_norm, truncated = counts.tolist()
-    return {"n": n, "acc": correct / n if n else float("nan"),
-            "acc_norm": correct_norm / n if n else float("nan"),
-            "truncated": truncated, "examples": sorted(results, key=lambda r: r["index"])}
+    return batches, (packed_shape, rows_shape)
+
+
+def score_batch(model, batch, is_packed, shapes, plan):
+    """One batch of batches_of on plan.device: (its examples, the ending each picks by summed loss,
+    by mean loss, the context tokens cut)."""
+    packed_shape, rows_shape = shapes
+    block_size = getattr(model, "_orig_mod", model).config.block_size
+    to = lambda t: None if t is None else t.to(plan.device, non_blocking=True)  # noqa: E731
+    if is_packed:
+        idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = \
+            collate_packed(batch, packed_shape)
+        packing = (to(seq_id), to(pos_ids), to(attn_mask))
+        batch, cut = [ex for row in batch for ex in row], 0
+    else:
+        idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
+        packing = None
+    with precision.autocast(plan):
+        summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt),
+                                    to(counts), packing)  # (R,), (R,)
+    E = len(batch)
+    pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
+    pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()
+    return batch, pred, pred_norm, cut
 
 # -----------------------------------------------------------------------------
 # command line

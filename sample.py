@@ -74,6 +74,34 @@ def read_prompt(args, enc):
 
 
 def main(argv=None):
+    try:
+        args = parse_args(argv)
+        # first: a GPU torch cannot use is one line, not a CPU run
+        device = precision.resolve_device(args.device)
+        enc = get_encoding()
+        text, prompt_ids = read_prompt(args, enc)
+        plan = precision.make_plan(device, args.precision, compile=False)
+        model = load_model(args, enc)
+    except (UserError, OSError) as e:
+        return fail(e)
+    model.to(plan.device).eval()
+    say(f"{args.model}: {model.num_params(non_embedding=False):,} parameters on {plan.device}, "
+        f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")
+    generator = torch.Generator(device=plan.device).manual_seed(args.seed)
+    num_samples = samples_to_print(args)
+    for i in range(num_samples):
+        sys.stdout.write(text)
+        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature,
+                                 args.top_k or None, generator, plan)
+        for piece in stream_text(enc, (t for t in tokens if t != EOT)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n" + ("-" * 40 + "\n" if i < num_samples - 1 else ""))
+        sys.stdout.flush()
+    return 0
+
+
+def parse_args(argv):
     p = ArgumentParser(prog="sample.py",
                        description="Sample text from a GPT-2 checkpoint, save_pretrained dir or "
                                    "GPT-2 name.")
@@ -92,55 +120,44 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="autocast dtype; auto = bf16 on sm80+, fp16 on sm7x, else fp32")
-    # status lines stay out of the text
-    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        args = p.parse_args(argv)
-        for key in ("num_samples", "max_new_tokens"):
-            if getattr(args, key) < 1:
-                raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
-        if not args.temperature >= 0 or args.top_k < 0:  # (NaN fails >= 0 too)
-            raise UserError("--temperature and --top_k must not be negative, got "
-                            f"{args.temperature} and {args.top_k}")
-        # first: a GPU torch cannot use is one line, not a CPU run
-        device = precision.resolve_device(args.device)
-        enc = get_encoding()
-        text, prompt_ids = read_prompt(args, enc)
-        plan = precision.make_plan(device, args.precision, compile=False)
-        with redirect0(sys.stderr):  # a run's out_dir: its newest readable ckpt_*.pt (skips said)
-            path = newest_checkpoint(args.model)
-        if path != args.model:
-            say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "
-                f"{path}")
-        with redirect0(None):  # the text alone on stdout
-            model = GPT.load(path)
-        if model.config.vocab_size < enc.n_vocab:
-            raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than "
-                            f"GPT-2's {enc.n_vocab} tokens")
-    except (UserError, OSError) as e:
-        return fail(e)
-    model.to(plan.device).eval()
-    say(f"{args.model}: {model.num_params(non_embedding=False):,} parameters on {plan.device}, "
-        f"{plan.describe()}, {len(prompt_ids)} prompt tokens, seed {args.seed}")
-    generator = torch.Generator(device=plan.device).manual_seed(args.seed)
-    num_samples = args.num_samples
-    # every sample would be the same text
-    if (args.temperature == 0 or args.top_k == 1) and num_samples > 1:
+    args = p.parse_args(argv)
+    for key in ("num_samples", "max_new_tokens"):
+        if getattr(args, key) < 1:
+            raise UserError(f"--{key} must be at least 1, got {getattr(args, key)}")
+    if not args.temperature >= 0 or args.top_k < 0:  # (NaN fails >= 0 too)
+        raise UserError("--temperature and --top_k must not be negative, got "
+                        f"{args.temperature} and {args.top_k}")
+    return args
+
+
+def load_model(args, enc):
+    """The GPT that --model names (a run's folder: its newest checkpoint), checked against the
+    tokenizer's vocabulary."""
+    with redirect0(sys.stderr):  # a run's out_dir: its newest readable ckpt_*.pt (skips said)
+        path = newest_checkpoint(args.model)
+    if path != args.model:
+        say(f"{args.model} is a training run's folder: sampling from its newest checkpoint, "
+            f"{path}")
+    with redirect0(None):  # the text alone on stdout
+        model = GPT.load(path)
+    if model.config.vocab_size < enc.n_vocab:
+        raise UserError(f"{args.model} has vocab_size {model.config.vocab_size}, fewer than "
+                        f"GPT-2's {enc.n_vocab} tokens")
+    return model
+
+
+def samples_to_print(args):
+    """--num_samples, or 1 where decoding is greedy: every sample would be the same text."""
+    if (args.temperature == 0 or args.top_k == 1) and args.num_samples > 1:
         what = "--temperature 0" if args.temperature == 0 else "--top_k 1"
         say(f"note: {what} is greedy decoding, the same text every time: printing 1 sample, not "
-            f"{num_samples}")
-        num_samples = 1
-    for i in range(num_samples):
-        sys.stdout.write(text)
-        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature,
-                                 args.top_k or None, generator, plan)
-        for piece in stream_text(enc, (t for t in tokens if t != EOT)):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n" + ("-" * 40 + "\n" if i < num_samples - 1 else ""))
-        sys.stdout.flush()
-    return 0
+            f"{args.num_samples}")
+        return 1
+    return args.num_samples
 
+
+def say(*a):
+    print(*a, file=sys.stderr, flush=True)  # status lines stay out of the text
 
 if __name__ == "__main__":
     sys.exit(main())

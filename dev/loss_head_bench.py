@@ -65,7 +65,8 @@ def compile_time(mod, chunk_rows, B=64, T=1024):
 
 
 class PeakTensors(TorchDispatchMode):
-    """The most bytes of new storages alive at once, counted op by op (as bench.LiveTensors), parameters left out."""
+    """The most bytes of new storages alive at once, counted op by op (as memory_report.LiveTensors), parameters
+    left out."""
 
     def __init__(self, exclude):
         super().__init__()

@@ -1,6 +1,6 @@
-"""bench.py: the --quick ladder end to end, the rung rules, DDP's two orders, and the memory report and
-fit table (its measurements checked by independent counts). memory.py's estimate, search and probes are
-tests/test_memory.py's."""
+"""bench.py and its rooms (gpt2train/ladder.py, ddp_bench.py, memory_report.py): the --quick ladder end to end,
+the rung rules, DDP's two orders, and the memory report and fit table (its measurements checked by independent
+counts). memory.py's estimate, search and probes are tests/test_memory.py's."""
 import json
 import subprocess
 import sys
@@ -10,19 +10,27 @@ import pytest
 import torch
 
 import bench
-from gpt2train import optim
+from gpt2train import ddp_bench
+from gpt2train import ladder
 from gpt2train import memory
+from gpt2train import memory_report
+from gpt2train import optim
 from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, flops_per_token
 from gpt2train.precision import default_plan
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled scaler, a no-op
 RUNG_PREFIXES = ["fp32", "+TF32", "+autocast", "+torch.compile", "+SDPA", "+vocab 50304", "+fused AdamW",
                  "+loss head"]
-OPTIONS_CPU = ["attention kernels", "chunked loss", "micro-batch 16", "micro-batch 32", "micro-batch 64",
-               "compile max-autotune"]
+OPTIONS_CPU = ["attention kernels", "chunked loss", "micro-batch 16", "micro-batch 32", "micro-batch 64"]
 CHUNKED = {"chunked loss": {"loss": "chunked"}}
+
+
+def job(plan, micro_batch, seq_len, build=bench.build):
+    """A Ladder job at the tiny size, no warm-up and one timed step, with bench.py's GPT (or a wrapper of it)."""
+    return ladder.Ladder(plan, "tiny", micro_batch, seq_len, 0, 1, build, flops_per_token, verbose=False)
+
 
 # -----------------------------------------------------------------------------
 # the ladder
@@ -66,15 +74,15 @@ def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
 
     def step():  # what torch.cuda's TORCH_WARN looks like from Python, twice from the same line
         for _ in range(2):
-            warnings.warn(bench.SYNC_WARNING, stacklevel=1)
+            warnings.warn(ladder.SYNC_WARNING, stacklevel=1)
         warnings.warn("some other warning", stacklevel=1)
 
-    assert bench.count_syncs(step, set_mode=modes.append) == 2
+    assert ladder.count_syncs(step, set_mode=modes.append) == 2
     assert modes == ["warn", "default"]
-    assert bench.count_syncs(step, set_mode=modes.append) == 2  # Python's once-per-line filter does not hide repeats
-    assert bench.count_syncs(lambda: None, set_mode=modes.append) == 0
+    assert ladder.count_syncs(step, set_mode=modes.append) == 2  # Python's once-per-line filter does not hide repeats
+    assert ladder.count_syncs(lambda: None, set_mode=modes.append) == 0
     with pytest.raises(ZeroDivisionError):
-        bench.count_syncs(lambda: 1 / 0, set_mode=modes.append)
+        ladder.count_syncs(lambda: 1 / 0, set_mode=modes.append)
     assert modes[-2:] == ["warn", "default"]  # restored on the way out of a failing step too
 
 
@@ -85,7 +93,7 @@ def test_count_syncs_counts_sync_warnings_only_and_restores_the_mode():
     ((6, 1), {"+TF32", "+autocast", "+torch.compile"}, "+autocast", "+SDPA (torch's choice)"),
 ])
 def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
-    rungs = bench.ladder_rungs(default_plan("cuda:0", cap), "cuda", cap)[:8]
+    rungs = ladder.ladder_rungs(default_plan("cuda:0", cap), "cuda", cap)[:8]
     names = [r[0] for r in rungs]
     assert names[2] == autocast and names[4] == sdpa
     assert {name for name, _, reason, *_ in rungs if reason} == skipped
@@ -101,37 +109,32 @@ def test_cuda_rungs_follow_the_precision_plan(cap, skipped, autocast, sdpa):
 @pytest.mark.parametrize("device,cap,micro_batch,expected", [
     ("cuda:0", (9, 0), 16, {"attention flash/efficient/math": {"sdpa_backends": ("flash", "efficient", "math")},
                             "attention efficient/math": {"sdpa_backends": ("efficient", "math")}, **CHUNKED,
-                            "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
-                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
+                            "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64}}),
     ("cuda:0", (8, 0), 64, {"attention efficient/math": {"sdpa_backends": ("efficient", "math")}, **CHUNKED,
-                            "micro-batch 16": {"micro_batch": 16}, "micro-batch 32": {"micro_batch": 32},
-                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
-    ("cuda:0", (7, 5), 16, {**CHUNKED, "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64},
-                            "compile max-autotune": {"compile_mode": "max-autotune"}}),
+                            "micro-batch 16": {"micro_batch": 16}, "micro-batch 32": {"micro_batch": 32}}),
+    ("cuda:0", (7, 5), 16, {**CHUNKED, "micro-batch 32": {"micro_batch": 32}, "micro-batch 64": {"micro_batch": 64}}),
 ])
 def test_option_rungs_come_from_the_plan(device, cap, micro_batch, expected):
     """After the eight cumulative rungs: the plan's other kernel orders (never math first), the chunked loss head
-    (the memory fallback), the other micro-batches of 16/32/64, then max-autotune last; all optional, none
-    skipped on these GPUs except sm7x's single kernel."""
+    (the memory fallback), the other micro-batches of 16/32/64; all optional, none skipped on these GPUs except
+    sm7x's single kernel. No compile-mode rung: max-autotune's autotuning took a whole process down on an H200
+    (CUDA illegal memory access), so the modes are the trainer's compile_mode, each timed in a process of its own."""
     plan = default_plan(device, cap)
-    rungs = bench.ladder_rungs(plan, "cuda", cap, micro_batch=micro_batch)
+    rungs = ladder.ladder_rungs(plan, "cuda", cap, micro_batch=micro_batch)
     options = rungs[8:]
-    assert all(optional for *_, optional in options) and options[-1][0] == "compile max-autotune"
+    assert all(optional for *_, optional in options) and not any("autotune" in name for name, *_ in rungs)
     assert {name: change for name, change, reason, _, _ in options if reason is None} == expected
     skipped = {name: reason for name, _, reason, _, _ in options if reason}
     assert skipped == ({"attention kernels": "the precision plan for cuda sm75 has one kernel (efficient/math)"}
                        if cap == (7, 5) else {})
 
 
-def test_option_rungs_skip_on_cpu_and_without_compile():
-    rungs = bench.ladder_rungs(default_plan("cpu"), "cpu", micro_batch=16)
+def test_option_rungs_skip_on_cpu():
+    rungs = ladder.ladder_rungs(default_plan("cpu"), "cpu", micro_batch=16)
     assert [(name, reason) for name, _, reason, _, _ in rungs[8:]] == [
         ("attention kernels", "a GPU option: not run on cpu"), ("chunked loss", "a GPU option: not run on cpu"),
         ("micro-batch 32", "a GPU option: not run on cpu"),
-        ("micro-batch 64", "a GPU option: not run on cpu"), ("compile max-autotune", "a GPU option: not run on cpu")]
-    p61 = default_plan("cuda:0", (6, 1))  # compile off in the plan: max-autotune has nothing to tune
-    assert bench.ladder_rungs(p61, "cuda", (6, 1))[-1][2] == "needs the torch.compile rung, which is off here"
-    assert bench.ladder_rungs(p61, "cuda", (6, 1), force_compile=True)[-1][2] is None
+        ("micro-batch 64", "a GPU option: not run on cpu")]
 
 
 def test_options_are_kept_only_when_faster(monkeypatch):
@@ -140,14 +143,14 @@ def test_options_are_kept_only_when_faster(monkeypatch):
              ("fast", {"micro_batch": 8}, None, "", True), ("after", {"fused": True}, None, "", True)]
     seen = []
 
-    def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
+    def fake_time_rung(settings, job):
         seen.append(dict(settings))
         ms = {0: 100.0, 1: 120.0, 2: 150.0, 3: 400.0}[len(seen) - 1]  # "fast" does 2x the tokens in 1.5x the time
         return ms, 1.0, (None, None), None, "full"
 
-    monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
-    monkeypatch.setattr(bench, "time_rung", fake_time_rung)
-    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False))
+    monkeypatch.setattr(ladder, "ladder_rungs", lambda *a, **k: rungs)
+    monkeypatch.setattr(ladder, "time_rung", fake_time_rung)
+    rows = ladder.run_ladder(job(default_plan("cpu"), 4, 32))
     assert [r["kept"] for r in rows] == [None, False, True, False]
     assert "not kept (slower)" in rows[1]["note"] and rows[2]["note"].endswith("kept")
     assert seen[2]["vocab"] == 50257 and seen[2]["micro_batch"] == 8  # "slow" dropped before "fast" ran
@@ -161,18 +164,18 @@ def test_core_ladder_times_the_trainers_stack_first_and_reports_every_rung_as_it
     baseline plus every applicable change up to it; on_row sees the rows after each rung, the rest 'not run'."""
     seen, snapshots = [], []
 
-    def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
+    def fake_time_rung(settings, job):
         seen.append(dict(settings))
         return 100.0 * len(seen), 1.0, (None, None), None, "full"
 
-    monkeypatch.setattr(bench, "time_rung", fake_time_rung)
-    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 4, 32, 0, 1, verbose=False), core=True,
-                            on_row=lambda rows: snapshots.append([dict(r) for r in rows]))
+    monkeypatch.setattr(ladder, "time_rung", fake_time_rung)
+    rows = ladder.run_ladder(job(default_plan("cpu"), 4, 32), core=True,
+                             on_row=lambda rows: snapshots.append([dict(r) for r in rows]))
     assert [r["name"][:len(p)] for r, p in zip(rows, RUNG_PREFIXES)] == RUNG_PREFIXES and len(rows) == 8
     timed = [r for r in rows if r["skipped"] is None]  # CPU: fp32, SDPA, vocab, fused, the trainer's loss head
     assert seen[0]["loss"] == "auto" and seen[0]["fused"] and seen[0]["vocab"] == 50304  # the whole stack first
     assert seen[1]["loss"] == "full" and seen[1]["fused"]  # then +fused AdamW: the same with plain full logits
-    assert seen[-1] == dict(bench.BASELINE, micro_batch=4)  # fp32 last
+    assert seen[-1] == dict(ladder.BASELINE, micro_batch=4)  # fp32 last
     assert len(snapshots) == 8 and snapshots[0][-1]["ms_per_step"] == 100.0  # +loss head, written at once
     assert all(r["skipped"] == "not run (yet)" for r in snapshots[0][:-1] if r["name"] not in ("+TF32",))
     assert [r["ms_per_step"] for r in timed] == [500.0, 400.0, 300.0, 200.0, 100.0]  # ladder order in the table
@@ -187,21 +190,21 @@ def test_loss_head_rung_runs_the_trainers_head(monkeypatch):
     and the row says which."""
     asked, built = [], []
     monkeypatch.setattr(memory, "loss_chunk", lambda plan, rows, vocab: asked.append((rows, vocab)) or 37)
-    real_build = bench.build
-    monkeypatch.setattr(bench, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
-    rungs = [r for r in bench.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+loss head")]
-    monkeypatch.setattr(bench, "ladder_rungs", lambda *a, **k: rungs)
-    rows = bench.run_ladder(bench.Ladder(default_plan("cpu"), "tiny", 2, 16, 0, 1, verbose=False))
+    rungs = [r for r in ladder.ladder_rungs(default_plan("cpu"), "cpu") if r[0] in ("fp32", "+loss head")]
+    monkeypatch.setattr(ladder, "ladder_rungs", lambda *a, **k: rungs)
+    # the job's build: bench.py's, each rung's model kept
+    rows = ladder.run_ladder(job(default_plan("cpu"), 2, 16,
+                                 build=lambda *a, **k: built.append(bench.build(*a, **k)) or built[-1]))
     assert [(raw.loss_impl, raw.ce_chunk_rows) for raw, _, _ in built] == [("chunked", 37), ("full", 37)]
     assert (2 * 16, 50257) in asked  # loss head first (the trainer's stack), then fp32: vocab 50257 both
     assert rows[-1]["note"].endswith(": chunked, 37 rows a chunk") and rows[-1]["skipped"] is None
-    assert bench.build is not real_build and bench.use_loss_head is memory.use_loss_head
+    assert bench.use_loss_head is memory.use_loss_head
 
 
 def test_compile_can_be_forced_on_cpu():
     plan = default_plan("cpu")
-    assert bench.ladder_rungs(plan, "cpu")[3][2] is not None
-    assert bench.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
+    assert ladder.ladder_rungs(plan, "cpu")[3][2] is not None
+    assert ladder.ladder_rungs(plan, "cpu", force_compile=True)[3][2] is None
 
 
 def test_ddp_orders_wrap_and_train_alike(tmp_path):
@@ -213,10 +216,10 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
     try:
         plan = default_plan("cpu")
         grads = []
-        for order in bench.DDP_ORDERS:
+        for order in ddp_bench.DDP_ORDERS:
             model = tiny_model(vocab_size=50257)
             opt = adamw(model)
-            wrapped = bench.wrap_ddp(model, order, None, backend="eager")
+            wrapped = ddp_bench.wrap_ddp(model, order, None, backend="eager")
             if order == "DDP(compile(model))":
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
             else:
@@ -224,12 +227,12 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
             optim.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
             grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
-        rows = bench.run_ddp(bench.Ladder(plan, "tiny", 2, 16, 0, 1), force_compile=True, backend="eager")
-        assert [r["name"] for r in rows] == list(bench.DDP_ORDERS)
+        rows = ddp_bench.run_ddp(job(plan, 2, 16), force_compile=True, backend="eager")
+        assert [r["name"] for r in rows] == list(ddp_bench.DDP_ORDERS)
         assert all(r["skipped"] is None and r["ms_per_step"] > 0 for r in rows)
         assert rows[0]["tokens_per_s"] == pytest.approx(2 * 16 / (rows[0]["ms_per_step"] / 1000))
-        off = bench.run_ddp(bench.Ladder(plan, "tiny", 2, 16, 0, 1))
-        assert all("compile off" in r["skipped"] for r in off) and "skipped" in bench.ddp_table(off)
+        off = ddp_bench.run_ddp(job(plan, 2, 16))
+        assert all("compile off" in r["skipped"] for r in off) and "skipped" in ddp_bench.ddp_table(off)
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
@@ -251,7 +254,7 @@ def test_bad_options_exit_with_one_line(capsys):
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(UserError, match="pip install matplotlib"):
-        bench.require_matplotlib()
+        ladder.require_matplotlib()
 
 
 # -----------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
 def live_after_forward(model, x, y):
     """Bytes of the storages the forward created that are still alive once it returned (its loss
     left out): an independent count of what it keeps, by weak reference instead of autograd's hooks."""
-    counter = bench.LiveTensors(exclude=bench.storage_ptrs(model.parameters()))
+    counter = memory_report.LiveTensors(exclude=memory_report.storage_ptrs(model.parameters()))
     with counter:
         _, loss = model(x, y)
     return counter.live() - loss.untyped_storage().nbytes()
@@ -277,7 +280,7 @@ def test_checkpointing_keeps_only_block_inputs():
         model = GPT(GPTConfig(block_size=32, vocab_size=300, n_layer=L, n_head=4, n_embd=C),
                     activation_checkpointing=mode)
         x, y = torch.randint(0, 300, (B, T)), torch.randint(0, 300, (B, T))
-        kept[mode] = bench.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
+        kept[mode] = memory_report.saved_activation_bytes(model, x, y, cpu_plan(torch.float32))[0]
         assert kept[mode] == live_after_forward(model, x, y)
     plain_layer = 14 * B * T * C * 4 + 2 * B * T * C * 4 + 2 * 2 * B * T * 4 + B * 4 * T * 4  # see the estimate
     assert kept["none"] - kept["blocks"] == L * (plain_layer - B * T * C * 4)
@@ -293,15 +296,15 @@ def test_chunked_loss_lowers_the_step_peak():
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16), loss_impl=impl)
         x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
-        peaks[impl] = bench.step_peak_bytes(model, x, y, cpu_plan(torch.float32))
+        peaks[impl] = memory_report.step_peak_bytes(model, x, y, cpu_plan(torch.float32))
         assert all(p.grad is None for p in model.parameters())
     assert peaks["full"] > 3 * B * T * V * 4
     assert peaks["full"] - peaks["chunked"] > 2 * B * T * V * 4
 
 
 def test_memory_report_on_cpu_separates_every_part():
-    lines = bench.memory_report(default_plan("cpu"), "tiny", 2, 16, loss="full", ckpt="every_other", world_size=4,
-                                fsdp=True)
+    modes = memory_report.Modes(loss="full", ckpt="every_other", world_size=4, fsdp=True)
+    lines = memory_report.memory_report(job(default_plan("cpu"), 2, 16), modes)
     text = "\n".join(lines)
     for part in ("parameters", "gradients", "optimizer state", "activations", "logits", "step peak", "allocator",
                  "TF32 off vs on", "full loss, activation checkpointing every_other", "per rank, FSDP over 4"):
@@ -312,16 +315,31 @@ def test_memory_report_on_cpu_separates_every_part():
     assert logits[1:3] == ["6.1", "MiB"] == logits[-2:]  # 2 x 16 x 50304 x 4 bytes
 
 
+def test_tf32_workspace_takes_the_peaks_of_time_rung(monkeypatch):
+    """--memory's TF32 line (CUDA only) reads the peaks out of time_rung's five results (it unpacked four: a
+    ValueError on every GPU)."""
+    seen = []
+
+    def fake_time_rung(settings, job):
+        seen.append(settings["tf32"])
+        assert (job.size, job.micro_batch, job.seq_len, job.warmup, job.steps) == ("tiny", 2, 16, 1, 3)
+        return 1.0, 2.0, (10 + len(seen), 20 + len(seen)), 0, "full"
+
+    monkeypatch.setattr(memory_report, "time_rung", fake_time_rung)
+    assert memory_report.tf32_workspace(job(default_plan("cpu"), 2, 16)) == {False: (11, 21), True: (12, 22)}
+    assert seen == [False, True]
+
+
 # -----------------------------------------------------------------------------
 # what fits where: the table behind --fit
 
 
 def test_fit_table_orders_the_modes():
-    lines = bench.fit_table(sizes=("gpt2", "gpt2-xl"))
+    lines = memory_report.fit_table(bench.fit_configs(("gpt2", "gpt2-xl")))
     rows = [line.split(" | ")[2:] for line in lines[2:]]
-    assert len(rows) == 2 * len(bench.GPUS)
+    assert len(rows) == 2 * len(memory_report.GPUS)
     cells = [[0 if c.strip(" |") == "-" else int(c.strip(" |")) for c in row] for row in rows]
     for c in cells:  # full loss <= chunked <= +every_other <= +blocks; DDP <= 1 GPU; FSDP >= DDP
         assert c[0] <= c[1] <= c[2] <= c[3] and c[4] <= c[1] and c[6] >= c[4] and c[7] >= c[6]
-    xl_t4 = cells[len(bench.GPUS)]
+    xl_t4 = cells[len(memory_report.GPUS)]
     assert xl_t4[:6] == [0] * 6 and xl_t4[6] > 0  # 1558M: 25 GB of fp32 state; on 16 GB only sharded over 8

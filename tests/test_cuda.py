@@ -15,8 +15,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU here", allow_module_level=True)
 
-import bench  # noqa: E402
 import hellaswag  # noqa: E402
+from gpt2train import ladder  # noqa: E402
 from gpt2train import loss  # noqa: E402
 from gpt2train import memory  # noqa: E402
 from gpt2train import optim  # noqa: E402
@@ -152,8 +152,8 @@ def test_hellaswag_compiled_packed_on_gpu_equals_eager(hf_dir, tmp_path):
 
 
 def test_count_syncs_sees_item():
-    assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum().item()) == 1
-    assert bench.count_syncs(lambda: torch.ones(3, device="cuda").sum()) == 0
+    assert ladder.count_syncs(lambda: torch.ones(3, device="cuda").sum().item()) == 1
+    assert ladder.count_syncs(lambda: torch.ones(3, device="cuda").sum()) == 0
 
 
 @pytest.mark.parametrize("precision_name,optimizer", [("auto", "adamw"), ("fp16", "adamw"), ("auto", "muon"),
@@ -176,7 +176,7 @@ def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, dat
         return optim.optimizer_step(optimizers, scaler, params, 1.0, 1.0, loss)
 
     step()  # the first step creates the optimizer state and the loss scale
-    assert bench.count_syncs(step) <= 1
+    assert ladder.count_syncs(step) <= 1
 
 
 def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):

@@ -74,3 +74,12 @@ def test_the_checker_sees_an_upward_arrow(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("def f():\n    from model import GPT\n    from gpt2train import optim\n")
     assert imports(str(p), modules()) == {"model", "gpt2train.optim"}
+
+
+def test_bench_is_the_command_over_its_tools():
+    """bench.py is the benchmark command (flags, header, the GPT it times, dispatch); each tool is a package module
+    it imports (issue 45), which gets model.py's GPT from bench.py, never by importing it."""
+    g = graph()
+    tools = {"gpt2train.ladder", "gpt2train.ddp_bench", "gpt2train.memory_report"}
+    assert tools <= g["bench"] and "model" in g["bench"]
+    assert not any("model" in g[t] or "bench" in g[t] for t in tools)

@@ -123,7 +123,8 @@ def test_loss_chunk_rows_fits_the_budget_in_few_equal_chunks():
 
 
 class PeakTensors(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most bytes of new storages alive at once among those the ops under it create (as bench.LiveTensors)."""
+    """The most bytes of new storages alive at once among those the ops under it create (as memory_report.py's
+    LiveTensors)."""
 
     def __init__(self):
         super().__init__()

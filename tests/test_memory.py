@@ -13,6 +13,7 @@ import bench
 from gpt2train import loss
 from gpt2train import optim
 from gpt2train import memory
+from gpt2train import memory_report
 from gpt2train import precision
 from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
@@ -37,7 +38,7 @@ def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_im
     config = GPTConfig(block_size=32, vocab_size=300, n_layer=3, n_head=4, n_embd=32, attn_impl=attn)
     model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
     x, y = torch.randint(0, 300, (3, 24)), torch.randint(0, 300, (3, 24))
-    saved, logits = bench.saved_activation_bytes(model, x, y, cpu_plan(dtype))
+    saved, logits = memory_report.saved_activation_bytes(model, x, y, cpu_plan(dtype))
     step = Step(config, 24, dtype=dtype, device_type="cpu", activation_checkpointing=ckpt, loss_impl=loss_impl)
     assert (saved, logits) == memory.activation_bytes_estimate(step, 3)
 
@@ -52,7 +53,7 @@ def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
     config = GPTConfig(block_size=64, vocab_size=3000, n_layer=3, n_head=4, n_embd=64)
     x, y = torch.randint(0, 3000, (4, 64)), torch.randint(0, 3000, (4, 64))
     model = GPT(config, activation_checkpointing=ckpt, loss_impl=loss_impl)
-    measured = bench.step_peak_bytes(model, x, y, cpu_plan(dtype))
+    measured = memory_report.step_peak_bytes(model, x, y, cpu_plan(dtype))
     parts = memory.training_bytes_estimate(Step(config, 64, dtype=dtype, device_type="cpu",
                                                 activation_checkpointing=ckpt, loss_impl=loss_impl), 4)
     n = sum(p.numel() for p in GPT(config).parameters())

@@ -116,10 +116,13 @@ def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
     """bench.py --memory/--fit and micro_batch_size=auto use training_bytes_estimate: its optimizer state
     is what the trainer's optimizers hold after a step (AdamW two fp32 buffers a parameter, Muon one a matrix)."""
     import bench
+    from gpt2train import ladder
     from gpt2train import memory
+    from gpt2train import memory_report
     from gpt2train import precision
+    from model import flops_per_token
     plan = precision.make_plan("cpu", "fp32")
-    settings = dict(bench.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
+    settings = dict(ladder.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
     raw, model, optimizers = bench.build(settings, "tiny", 2, 32, plan, optimizer)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     optim.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
@@ -129,5 +132,7 @@ def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
     steps = 4 * sum(1 for s in optimizers[0].state.values() if "step" in s)  # AdamW's step counts, not estimated
     assert held - steps == estimate == (8 * n if optimizer == "adamw" else 8 * n - 4 * sum(
         p.numel() for o in optimizers[1:] for g in o.param_groups for p in g["params"]))
-    line = next(x for x in bench.memory_report(plan, "tiny", 2, 32, optimizer=optimizer) if "optimizer state" in x)
+    job = ladder.Ladder(plan, "tiny", 2, 32, 0, 1, bench.build, flops_per_token)
+    report = memory_report.memory_report(job, memory_report.Modes(optimizer=optimizer))
+    line = next(x for x in report if "optimizer state" in x)
     assert memory.fmt_bytes(held) in line and ("Muon" in line) == (optimizer == "muon")
