@@ -105,11 +105,49 @@ def is_run_folder(path):
         return False
     if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
         return True
+    return "resolved" in read_json(os.path.join(path, "config.json"))
+
+
+def read_json(path):
+    """The JSON object in path, or {} (no such file, not JSON, not an object)."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return "resolved" in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+# the files save_pretrained writes (and the tokenizer's, which export.py adds): a folder holding one
+# is a Hugging Face model folder, never a run's out_dir (export.py, the mirror, refuses a run's)
+SAVE_PRETRAINED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
+                             r"(\.index\.json)?|generation_config\.json|vocab\.json|merges\.txt|"
+                             r"tokenizer(_config)?\.json|special_tokens_map\.json")
+# what the trainer writes in out_dir under fixed names, besides run.lock and its ckpt_XXXXXX.pt
+RUN_FILES = ("config.json", "log.jsonl", "curves.png", "wandb_run.json")
+
+
+def check_out_dir(out_dir):
+    """UserError (nothing written) for an out_dir the trainer would write over what it did not
+    write: a Hugging Face model folder (save_pretrained's files: export.py's output), or a folder
+    holding a RUN_FILES name no run wrote. A run writes config.json (with "resolved") before its
+    other files, so without it or a checkpoint they are someone else's."""
+    if not os.path.isdir(out_dir):
+        return
+    names = sorted(os.listdir(out_dir))
+    config = read_json(os.path.join(out_dir, "config.json"))
+    hf = [n for n in names if SAVE_PRETRAINED.fullmatch(n)]
+    hf += ["config.json"] if "model_type" in config else []  # (a GPT2Config: a model's)
+    if hf:
+        raise UserError(f"out_dir {out_dir!r} is a Hugging Face model folder (it holds {hf[0]}, "
+                        "written by export.py or save_pretrained), not a run's: choose another "
+                        f"--out_dir (to train on from its weights: --init_from={out_dir})")
+    ours = "resolved" in config or bool(checkpoint_files(out_dir))
+    for name in RUN_FILES:
+        if name in names and not ("resolved" in config if name == "config.json" else ours):
+            raise UserError(f"out_dir {out_dir!r} holds {name}, which train_gpt2.py did not write "
+                            f"and would overwrite: choose another --out_dir, or move {name} out "
+                            "of it")
 
 
 def read_checkpoint(path):
@@ -245,6 +283,7 @@ def resume_point(cfg, given, env, device, lock):
     this run (rank 0 holds its lock), the resume decision made (resume_overrides), every rank
     continuing from the same step."""
     out_dir = run_out_dir(cfg, given)
+    check_out_dir(out_dir)  # on every rank: each refuses alike, before the lock writes run.lock
     if env.master:
         lock.acquire(out_dir)
     ckpt, overrides = resume_overrides(out_dir, cfg, given)
