@@ -85,13 +85,17 @@ def newest_checkpoint(spec):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its
     newest readable checkpoint by the step it holds, as the trainer resumes (an unreadable one
     skipped, warned): sample.py, hellaswag.py and export.py take a run folder this way. A run's
-    folder with no checkpoint yet is one UserError line saying so (not a loader's "no model weights"
-    for a folder)."""
+    folder with no checkpoint yet, or a folder with neither checkpoints nor save_pretrained weights,
+    is one UserError line saying so (not a loader's "no model weights ... hub names")."""
     files = checkpoint_files(spec)
     if not files and is_run_folder(spec):
         raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its "
                         "checkpoint_interval, at a stop (Ctrl-C) and at its end; wait for one, or "
                         "stop the run to write one now")
+    if not files and os.path.isdir(spec) and not any(map(WEIGHTS.fullmatch, os.listdir(spec))):
+        raise UserError(f"no ckpt_*.pt and no save_pretrained files in {spec}: pass a run's "
+                        "out_dir, a ckpt_*.pt file, or a folder written by export.py or "
+                        "save_pretrained")
     held = warned_held_steps(spec) if files else []
     if held:
         return held[0][1]
@@ -118,10 +122,11 @@ def read_json(path):
     return obj if isinstance(obj, dict) else {}
 
 
-# the files save_pretrained writes (and the tokenizer's, which export.py adds): a folder holding one
-# is a Hugging Face model folder, never a run's out_dir (export.py, the mirror, refuses a run's)
-SAVE_PRETRAINED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
-                             r"(\.index\.json)?|generation_config\.json|vocab\.json|merges\.txt|"
+# the weights save_pretrained writes (one file, or shards and their index), and all its files (the
+# tokenizer's too, which export.py adds): a folder holding one is a Hugging Face model folder, never
+# a run's out_dir (export.py, the mirror, refuses a run's)
+WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+SAVE_PRETRAINED = re.compile(WEIGHTS.pattern + r"|generation_config\.json|vocab\.json|merges\.txt|"
                              r"tokenizer(_config)?\.json|special_tokens_map\.json")
 # what the trainer writes in out_dir under fixed names, besides run.lock and its ckpt_XXXXXX.pt
 RUN_FILES = ("config.json", "log.jsonl", "curves.png", "wandb_run.json")
