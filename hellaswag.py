@@ -155,11 +155,14 @@ def training_examples(cfg, env, startup):
     once at start-up: rank 0 first (it downloads), then the others (they read its cache)."""
     def load():
         try:
-            return load_examples("val", data_file=cfg.hellaswag_file or None, download=True,
-                                 file_option="--hellaswag_file")
+            return load_examples("val", data_file=cfg.hellaswag_file or None, data_dir=DEFAULT_DIR,
+                                 download=True, file_option="--hellaswag_file")
         except Exception as e:  # offline, a missing or malformed file: the user's to fix
-            raise UserError(f"cannot load HellaSwag: {e} (set --hellaswag_file=PATH or "
-                            "--hellaswag_interval=0)") from None
+            # a failed download already offers --hellaswag_file: said once
+            fix = " (set --hellaswag_file=PATH or --hellaswag_interval=0)"
+            if "--hellaswag_file" in str(e):
+                fix = ", or --hellaswag_interval=0 to train without it"
+            raise UserError(f"cannot load HellaSwag: {e}{fix}") from None
     return rank0_first(load, env, startup)[:cfg.hellaswag_limit or None]
 
 # -----------------------------------------------------------------------------

@@ -87,7 +87,9 @@ def main(argv):
             return 1
         if not (env.ddp and distributed.peer_failure(e)):
             raise
-        print(distributed.peer_failure_line(e, env.rank), file=sys.stderr)
+        held = checkpoint.held_steps(run.cfg.out_dir) if run else None  # what is saved: on disk
+        newest = (held[0][1] if held else "") if run else None
+        print(distributed.peer_failure_line(e, env.rank, newest), file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C before training began, or a second one while stopping
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
@@ -352,7 +354,7 @@ def train(run, argv):
     stop (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
     progress, wrapped = start(run), run.train_model is not run.model  # wrapped: in DDP
-    notice = (lambda sig: stop_notice(progress, sig)) if env.master else (lambda sig: None)
+    notice = (lambda sig: stop_notice(progress, sig, env.ddp)) if env.master else (lambda sig: None)
     code, progress.signals = 0, catch_stop_signals(notice)
     for step in range(run.start_step, cfg.max_steps):
         t_iter, progress.at = time.time(), step

@@ -85,13 +85,17 @@ def newest_checkpoint(spec):
     """spec as it is, or for a training run's out_dir (a folder holding ckpt_XXXXXX.pt files) its
     newest readable checkpoint by the step it holds, as the trainer resumes (an unreadable one
     skipped, warned): sample.py, hellaswag.py and export.py take a run folder this way. A run's
-    folder with no checkpoint yet is one UserError line saying so (not a loader's "no model weights"
-    for a folder)."""
+    folder with no checkpoint yet, or a folder with neither checkpoints nor save_pretrained weights,
+    is one UserError line saying so (not a loader's "no model weights ... hub names")."""
     files = checkpoint_files(spec)
     if not files and is_run_folder(spec):
         raise UserError(f"no checkpoint in {spec} yet: a run writes ckpt_XXXXXX.pt at its "
                         "checkpoint_interval, at a stop (Ctrl-C) and at its end; wait for one, or "
                         "stop the run to write one now")
+    if not files and os.path.isdir(spec) and not any(map(WEIGHTS.fullmatch, os.listdir(spec))):
+        raise UserError(f"no ckpt_*.pt and no save_pretrained files in {spec}: pass a run's "
+                        "out_dir, a ckpt_*.pt file, or a folder written by export.py or "
+                        "save_pretrained")
     held = warned_held_steps(spec) if files else []
     if held:
         return held[0][1]
@@ -105,11 +109,50 @@ def is_run_folder(path):
         return False
     if any(os.path.exists(os.path.join(path, name)) for name in ("run.lock", "log.jsonl")):
         return True
+    return "resolved" in read_json(os.path.join(path, "config.json"))
+
+
+def read_json(path):
+    """The JSON object in path, or {} (no such file, not JSON, not an object)."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return "resolved" in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+# the weights save_pretrained writes (one file, or shards and their index), and all its files (the
+# tokenizer's too, which export.py adds): a folder holding one is a Hugging Face model folder, never
+# a run's out_dir (export.py, the mirror, refuses a run's)
+WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+SAVE_PRETRAINED = re.compile(WEIGHTS.pattern + r"|generation_config\.json|vocab\.json|merges\.txt|"
+                             r"tokenizer(_config)?\.json|special_tokens_map\.json")
+# what the trainer writes in out_dir under fixed names, besides run.lock and its ckpt_XXXXXX.pt
+RUN_FILES = ("config.json", "log.jsonl", "curves.png", "wandb_run.json")
+
+
+def check_out_dir(out_dir):
+    """UserError (nothing written) for an out_dir the trainer would write over what it did not
+    write: a Hugging Face model folder (save_pretrained's files: export.py's output), or a folder
+    holding a RUN_FILES name no run wrote. A run writes config.json (with "resolved") before its
+    other files, so without it or a checkpoint they are someone else's."""
+    if not os.path.isdir(out_dir):
+        return
+    names = sorted(os.listdir(out_dir))
+    config = read_json(os.path.join(out_dir, "config.json"))
+    hf = [n for n in names if SAVE_PRETRAINED.fullmatch(n)]
+    hf += ["config.json"] if "model_type" in config else []  # (a GPT2Config: a model's)
+    if hf:
+        raise UserError(f"out_dir {out_dir!r} is a Hugging Face model folder (it holds {hf[0]}, "
+                        "written by export.py or save_pretrained), not a run's: choose another "
+                        f"--out_dir (to train on from its weights: --init_from={out_dir})")
+    ours = "resolved" in config or bool(checkpoint_files(out_dir))
+    for name in RUN_FILES:
+        if name in names and not ("resolved" in config if name == "config.json" else ours):
+            raise UserError(f"out_dir {out_dir!r} holds {name}, which train_gpt2.py did not write "
+                            f"and would overwrite: choose another --out_dir, or move {name} out "
+                            "of it")
 
 
 def read_checkpoint(path):
@@ -245,6 +288,7 @@ def resume_point(cfg, given, env, device, lock):
     this run (rank 0 holds its lock), the resume decision made (resume_overrides), every rank
     continuing from the same step."""
     out_dir = run_out_dir(cfg, given)
+    check_out_dir(out_dir)  # on every rank: each refuses alike, before the lock writes run.lock
     if env.master:
         lock.acquire(out_dir)
     ckpt, overrides = resume_overrides(out_dir, cfg, given)

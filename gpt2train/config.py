@@ -174,14 +174,21 @@ NANOGPT_NAMES = {
 }
 
 
-def check_key(key):
+def check_key(key, source="cli"):
+    """UserError for a key Config does not have, naming the config file it is in (source) and the
+    3 nearest keys."""
     if key in FIELDS:
         return
+    where = "" if source == "cli" else f"config file {source!r}: "
     if key in NANOGPT_NAMES:
-        raise UserError(f"unknown config key {key!r}: here it is {NANOGPT_NAMES[key]}")
-    close = difflib.get_close_matches(key, FIELDS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise UserError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(FIELDS)}")
+        raise UserError(f"{where}unknown config key {key!r}: here it is {NANOGPT_NAMES[key]}")
+    close = [repr(k) for k in difflib.get_close_matches(key, FIELDS, n=3)]
+    hint = ""
+    if close:
+        near = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else close[0]
+        hint = f" (did you mean {near}?)"
+    raise UserError(f"{where}unknown config key {key!r}{hint}; `python train_gpt2.py --help` "
+                    "lists every key")
 
 
 def kind(key):
@@ -209,8 +216,14 @@ def check_value(key, value):
     return value
 
 
-def parse_value(key, text):
-    """A --key=value string as the key's type."""
+def flag_text(value):
+    """A value as it is written after --key= (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def parse_value(key, text, now=None):
+    """A --key=value string as the key's type. now: (the value in force, where it was set: a config
+    file's path or "cli"), named in the error; the default when None."""
     t = FIELDS[key].type
     if key in AUTO_INTS and text == "auto":
         return text
@@ -223,8 +236,10 @@ def parse_value(key, text):
             return words[text.lower()]
         return t(text)
     except (KeyError, ValueError):
-        raise UserError(f"--{key}={text} is not {kind(key)} "
-                        f"(default: {FIELDS[key].default!r})") from None
+        value, source = now or (FIELDS[key].default, None)
+        in_force = {None: "default: ", "cli": f"before it: --{key}="}.get(source, f"{source} sets ")
+        raise UserError(f"--{key}={text} is not {kind(key)} ({in_force}"
+                        f"{flag_text(value)})") from None
 
 
 def read_config_file(path):
@@ -255,11 +270,12 @@ def parse_args(argv):
                 raise UserError(f"{arg}: options are written --key=value")
             key, text = arg[2:].split("=", 1)
             check_key(key)
-            items, source = {key: parse_value(key, text)}, "cli"
+            now = (values[key], given[key]) if key in values else None  # the value in force
+            items, source = {key: parse_value(key, text, now)}, "cli"
         else:
             items, source = read_config_file(arg), arg
         for key, value in items.items():
-            check_key(key)
+            check_key(key, source)
             values[key] = check_value(key, value)
             given[key] = source
     cfg = Config(**values)

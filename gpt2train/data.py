@@ -245,16 +245,23 @@ VAL_TOKENS, VAL_FRACTIONS = 2**15, (0.01, 0.1)
 MIN_CHUNK = 2**20  # tokens: a text under ~4 MB is one chunk, its val split one shard
 
 
-def source_files(data):
+def source_files(data, empty=None):
     """The files --data names: a file, a folder (every .txt/.md/.py/.jsonl/.json/.parquet file in
-    it, at any depth, sorted; empty and hidden ones skipped) or a glob pattern."""
+    it, at any depth, sorted; hidden ones skipped) or a glob pattern. A folder's and a glob's empty
+    files are skipped alike (appended to the list empty when given: the data line counts them); a
+    file named alone that is empty is refused."""
+    empty = [] if empty is None else empty
     if glob.has_magic(data):
         paths = sorted(p for p in glob.glob(os.path.expanduser(data),
                                             recursive=True) if os.path.isfile(p))
         if not paths:
             raise UserError(f"--data={data}: no files match that pattern")
+        empty += [p for p in paths if os.path.getsize(p) == 0]  # (__init__.py in a source tree)
+        paths = [p for p in paths if os.path.getsize(p) > 0]
+        if not paths:
+            raise UserError(f"--data={data}: every file that matches is empty")
     elif os.path.isdir(data):
-        paths = shards.folder_files(data)  # the files fineweb.py --source=FOLDER reads
+        paths = shards.folder_files(data, empty)  # the files fineweb.py --source=FOLDER reads
         skipped = unknown_files(data)
         # named, so that a file the user meant to train on is not left out without a word
         if skipped:
@@ -337,7 +344,9 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
     tokens. A new cache is built aside and swapped in only when this run can use it: an error leaves
     nothing behind. resume: the checkpoint this run continues ({"path", "step", "loader"}), whose
     tokens are never replaced by other ones (an edited text: text_changed)."""
-    files = source_files(data)
+    empty = []
+    files = source_files(data, empty)
+    skipped = f" ({len(empty)} empty, skipped)" if empty else ""
     stamp = {"data": data, "files": [[p, os.path.getsize(p),
                                       os.stat(p).st_mtime_ns] for p in files], "split": SPLIT,
              "text_column": text_column}
@@ -353,7 +362,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
         print0(f"data: {cache}: {broken[0]}: tokenizing {data} again")
     elif same:  # reused as it is, even when too small for this run: never split again for a seq_len
         check_rows(data, cache, T, rows)
-        print0(f"data: {data} as tokenized before, in {cache}")
+        print0(f"data: {data} as tokenized before{skipped}, in {cache}")
         return
     # ours (made here) but stale: replaced as a whole rather than mixed with old shards
     if os.path.isdir(cache):
@@ -362,7 +371,7 @@ def prepare_own_text(data, cache, T, rows, text_column="text", resume=None):
             raise UserError(f"{cache} holds files this trainer did not write: move it away, then "
                             "run again")
     size = sum(s for _, s, _ in stamp["files"])
-    print0(f"data: tokenizing {len(files)} file(s), {size / 1e6:.1f} MB, into {cache}")
+    print0(f"data: tokenizing {len(files)} file(s){skipped}, {size / 1e6:.1f} MB, into {cache}")
     # the folders above cache: removed on a failure
     made = missing_dirs(os.path.dirname(os.path.abspath(cache)))
     if made:

@@ -166,13 +166,19 @@ def over_ranks(loss, asks, env):
     return OverRanks(stats[0] / env.world_size, stats[1:])
 
 
-def peer_failure_line(e, rank):
+def peer_failure_line(e, rank, newest=None):
     """The error line for a peer that stopped answering (dist_timeout) or went away
-    (peer_failure(e))."""
+    (peer_failure(e)): nothing more is saved (a save needs every rank), so it names newest, the
+    checkpoint to continue from ("": out_dir holds none; None: out_dir not decided yet)."""
     why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    saved = "the checkpoints written so far are intact, continue with --resume=auto"
+    if newest is not None:
+        saved = (f"nothing was saved since {newest}, the newest checkpoint: --resume=auto "
+                 "continues from it" if newest else
+                 "no checkpoint was written (out_dir holds none): the same command starts over")
     return (f"error: rank {rank}: a peer did not answer within dist_timeout or went away ({why}): "
-            "check that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); the "
-            "checkpoints written so far are intact, continue with --resume=auto")
+            "check that every node is up and reachable (NCCL_DEBUG=INFO shows where it waits); "
+            f"{saved}")
 
 
 def peer_failure(e):

@@ -147,16 +147,18 @@ def stop_asks(signals, progress, checkpoint_minutes):
     return Asks(tuple(sig in signals for sig in STOP_SIGNALS), out_of_time, clock_due)
 
 
-def stop_notice(progress, sig):
+def stop_notice(progress, sig, ddp=False):
     """The line the first SIGINT/SIGTERM is answered with at once (the signal handler writes it):
-    what the run does now, and what a second signal costs."""
+    what the run does now, and what a second signal costs. ddp: under torchrun the save needs every
+    rank (a peer killed with this rank, torchrun's SIGTERM, leaves no save: say so)."""
     name, step, lost = signal.Signals(sig).name, progress.at, progress.at - progress.saved_step
+    ranks = " if every rank answers" if ddp else ""
     if progress.phase == "end":
         now, lost = f"the final evaluation stops at its next batch (step {step} is saved)", 0
     elif progress.phase == "eval":
-        now = f"the evaluation stops at its next batch, then step {step} is saved"
+        now = f"the evaluation stops at its next batch, then step {step} is saved{ranks}"
     else:
-        now, lost = f"finishing step {step}, then step {step + 1} is saved", lost + 1
+        now, lost = f"finishing step {step}, then step {step + 1} is saved{ranks}", lost + 1
     again = "Ctrl-C" if sig == signal.SIGINT else name
     return (f"{name}: stopping: {now}; {again} again quits at once" +
             (f" without saving the last {lost} step(s)" if lost > 0 else ""))

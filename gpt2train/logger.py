@@ -314,4 +314,5 @@ def summary(run, progress):
                f"      python export.py {progress.newest} {os.path.join(cfg.out_dir, 'hf')}"
                "  # a Hugging Face folder\n"
                f"      python plot.py {cfg.out_dir}                    # the curves: "
-               f"{os.path.join(cfg.out_dir, 'curves.png')}")
+               f"{os.path.join(cfg.out_dir, 'curves.png')} (needs matplotlib, optional: "
+               "pip install matplotlib)")

@@ -346,7 +346,8 @@ def cooldown_start(cfg):
 
 def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
     """The line a resume says when max_steps grew past the `planned` max_steps of the checkpoint (at
-    `step`, ckpt_path): how the schedule goes on, AdamW's base lr from the last step to the next.
+    `step`, ckpt_path): how the schedule goes on, AdamW's base lr (and Muon's, under optimizer=muon:
+    the same schedule) from the last step to the next.
     Re-planned on the new max_steps: wsd resumed before its cooldown goes on flat, exactly as a run
     planned that long (no jump); a cosine or linear run stretches to the new end and wsd in or after
     its cooldown goes back to its flat lr, a jump in one step, said with the ways around it (wsd's
@@ -355,7 +356,11 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
     if cfg.max_steps <= planned or step < 1 or not cfg.max_lr:
         return None
     old = dataclasses.replace(cfg, max_steps=planned)
-    last, now = lr_multiplier(step - 1, old) * cfg.max_lr, lr_multiplier(step, cfg) * cfg.max_lr
+    before, after = lr_multiplier(step - 1, old), lr_multiplier(step, cfg)
+    last, now = before * cfg.max_lr, after * cfg.max_lr
+    muon = ""
+    if cfg.optimizer == "muon":
+        muon = f" and Muon's from {before * cfg.muon_lr:.2e} to {after * cfg.muon_lr:.2e}"
     end = f"down to min_lr={cfg.min_lr:.2e} at step {cfg.max_steps}"
     shape = f"{cfg.lr_schedule} {end}"
     if cfg.lr_schedule == "wsd":
@@ -363,14 +368,15 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
     head = (f"note: max_steps {planned} -> {cfg.max_steps}: the {cfg.lr_schedule} schedule is "
             f"re-planned for {cfg.max_steps} steps ({shape})")
     if now <= last * (1 + 1e-6) or now - last <= 1e-12:
-        return f"{head}: AdamW's lr goes on from {last:.2e} to {now:.2e} at step {step}, no jump"
+        return (f"{head}: AdamW's lr goes on from {last:.2e} to {now:.2e}{muon} at step {step}, no "
+                "jump")
     ways = ""
     if branch_path:
         ways = (f"resume its cooldown-start checkpoint {branch_path} instead (copy it into a new "
                 f"folder and resume there with --max_steps={cfg.max_steps} --out_dir=<that "
                 f"folder>: exactly a {cfg.max_steps}-step run), or ")
-    return (f"{head}: AdamW's lr jumps from {last:.2e} (step {step - 1}) to {now:.2e} at step "
-            f"{step}, {now / last if last else math.inf:.1f}x in one step; to avoid the jump, "
+    return (f"{head}: AdamW's lr jumps from {last:.2e} (step {step - 1}) to {now:.2e}{muon} at "
+            f"step {step}, {now / last if last else math.inf:.1f}x in one step; to avoid the jump, "
             f"{ways}train on from its weights with a fresh warmup: --init_from={ckpt_path} "
             "--out_dir=<a new folder> --max_steps=<the steps to add> (docs/training.md, "
             "'Extending a run')")

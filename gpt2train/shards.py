@@ -74,15 +74,17 @@ def known_kind(path):
         return None
 
 
-def folder_files(folder):
+def folder_files(folder, empty=None):
     """The files a folder source stands for: every file of a known_kind in it, at any depth, sorted
     (a folder's files before its subfolders'); hidden files and folders, and empty files,
-    skipped."""
+    skipped (the empty ones appended to the list empty when given)."""
     paths = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         kept = [f for f in sorted(files) if not f.startswith(".") and known_kind(f)]
         paths += [os.path.join(root, f) for f in kept]
+    if empty is not None:
+        empty += [p for p in paths if os.path.getsize(p) == 0]
     return [p for p in paths if os.path.getsize(p) > 0]
 
 

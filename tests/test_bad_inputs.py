@@ -141,6 +141,11 @@ CASES = [
     ("missing", "sample", ["--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
     ("missing", "hellaswag", ["--data", "{rows_jsonl}", "--model", "{nockpt}"], "no checkpoint in {nockpt} yet"),
     ("missing", "export", ["{nockpt}", "{d}/hf"], "no checkpoint in {nockpt} yet"),
+    # issue 44 item 4: a folder with neither (it was the hub's "no file named model.safetensors ... network")
+    ("missing", "sample", ["--model", "{folder}"], "no ckpt_*.pt and no save_pretrained files in {folder}"),
+    ("missing", "export", ["{folder}", "{d}/hf"], "no ckpt_*.pt and no save_pretrained files in {folder}"),
+    ("missing", "hellaswag", ["--data", "{rows_jsonl}", "--model", "{folder}"],
+     "no ckpt_*.pt and no save_pretrained files in {folder}"),
     # files where folders are expected, folders where files are
     ("file/folder", "train", train(out_dir="{file_txt}"), "{file_txt}"),
     ("file/folder", "train", train(data_dir="{file_txt}"), "{file_txt}"),

@@ -96,6 +96,35 @@ def test_nanogpt_names_say_what_they_are_here():
         parse_args(["--max_iters=10"])
 
 
+def test_a_bad_flag_value_names_the_value_in_force_as_the_flag_spells_it():
+    """Issue 44 item 8: `configs/quickstart.py --max_steps=ten` said "(default: 19073)" while the config file sets
+    160, and `--shuffle=maybe` said "(default: True)" for a flag written true/false."""
+    quickstart = os.path.join(ROOT, "configs", "quickstart.py")
+    cases = [([quickstart, "--max_steps=ten"], f"--max_steps=ten is not an integer ({quickstart} sets 160)"),
+             (["--max_steps=ten"], "--max_steps=ten is not an integer (default: 19073)"),
+             (["--max_steps=5", "--max_steps=ten"], "--max_steps=ten is not an integer (before it: --max_steps=5)"),
+             (["--shuffle=maybe"], "--shuffle=maybe is not true or false (default: true)"),
+             (["--shuffle=no", "--shuffle=maybe"], "--shuffle=maybe is not true or false (before it: --shuffle=false)")]
+    for argv, message in cases:
+        with pytest.raises(UserError) as e:
+            parse_args(argv)
+        assert str(e.value) == message
+
+
+def test_a_typo_in_a_config_file_names_the_file_and_the_three_nearest_keys(tmp_path, capsys):
+    """Issue 44 item 8: a typo in a config file named neither the file nor fewer than every key (a 1,400-character
+    line); now the file, the 3 nearest keys and where the full list is, in one short line."""
+    path = tmp_path / "mine.py"
+    path.write_text("n_layer = 4\nmax_step = 100\n")
+    assert main([str(path), f"--out_dir={tmp_path / 'out'}"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (f"error: config file {str(path)!r}: unknown config key 'max_step' (did you mean 'max_steps', "
+                    "'val_steps' or 'max_skipped'?); `python train_gpt2.py --help` lists every key"), line
+    assert len(line) < 250 and not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=r"^unknown config key 'n_layers' \(did you mean 'n_layer'\?\); `python"):
+        parse_args(["--n_layers=2"])  # on the command line: no file to name
+
+
 def test_asked_and_resolved_side_by_side():
     """config.json: what the user set as asked, the whole config as resolved, and which values the run chose."""
     cfg, given = parse_args(["--n_layer=2", "--device=auto"])

@@ -67,3 +67,21 @@ def test_a_cosine_run_extended_says_how_far_the_lr_moves(data_dir, tmp_path, cap
                            f"{logged[6]:.2e} at step 6, {logged[6] / logged[5]:.1f}x in one step; to avoid the jump, "
                            "train on from its weights"), note
     assert "cooldown-start" not in note
+
+
+def test_a_muon_run_extended_names_muons_lr_jump_too(data_dir, tmp_path, capsys):
+    """Issue 44 item 8: under optimizer=muon the note named AdamW's lr jump only, while Muon's lr (the blocks'
+    matrices, most of the model) jumps by the same factor on the same schedule: both are said, as logged."""
+    out = str(tmp_path / "run")
+    common = [*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}", "--lr_schedule=wsd", "--optimizer=muon",
+              "--muon_lr=2e-2"]
+    assert train_gpt2.main([*common, "--max_steps=10"]) == 0
+    capsys.readouterr()
+    assert train_gpt2.main([*common, "--max_steps=20"]) == 0
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: max_steps"))
+    with open(os.path.join(out, "log.jsonl")) as f:
+        muon = {r["step"]: r["muon_lr"] for r in map(json.loads, f) if "muon_lr" in r}
+    logged = lrs(out)
+    assert muon[9] == 2e-2 / 2 and muon[10] == 2e-2  # the cooldown's last step, then the flat lr again
+    assert (f"AdamW's lr jumps from {logged[9]:.2e} (step 9) to {logged[10]:.2e} and Muon's from {muon[9]:.2e} to "
+            f"{muon[10]:.2e} at step 10, 2.0x in one step; to avoid the jump") in note, note

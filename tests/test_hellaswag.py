@@ -451,6 +451,27 @@ def test_missing_file_offline_says_where_to_put_it(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # no partial file left behind
 
 
+def test_the_trainers_offline_hellaswag_error_gives_each_advice_once(data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 44 item 8: the trainer with HellaSwag on and no network said "... or pass --hellaswag_file=FILE.jsonl
+    (set --hellaswag_file=PATH or --hellaswag_interval=0)": the same advice twice. Now each way once."""
+    import train_gpt2
+    from conftest import one_line, tiny_args
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("Name or service not known")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(hellaswag, "DEFAULT_DIR", str(tmp_path / "hellaswag"))  # no file there: a download
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data_dir, str(out), vocab_size=50304, hellaswag_interval=4)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("error: cannot load HellaSwag: could not download ") and "(Name or service not known)" \
+        in line, line
+    assert line.count("--hellaswag_file") == 1 and line.count("--hellaswag_interval=0") == 1, line
+    assert line.endswith(f"save that file as {tmp_path / 'hellaswag' / 'hellaswag_val.jsonl'} yourself, or pass "
+                         "--hellaswag_file=FILE.jsonl, or --hellaswag_interval=0 to train without it"), line
+    assert not out.exists()
+
+
 def test_download_is_cached(tmp_path, monkeypatch):
     body = "".join(json.dumps(r) + "\n" for r in make_rows(3)).encode()
     urls = []

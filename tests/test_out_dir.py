@@ -402,3 +402,45 @@ def test_an_out_dir_that_cannot_be_a_folder_is_bad_input(data_dir, tmp_path, cap
         assert one_line(capsys.readouterr().err) == ("error: out_dir '/proc/x' cannot be made: /proc allows no new "
                                                      "folders (No such file or directory): choose another --out_dir")
     assert sorted(os.listdir(tmp_path)) == ["my_book.txt"]
+
+# -----------------------------------------------------------------------------
+# an out_dir holding files the trainer did not write: refused, untouched
+
+
+def test_an_export_folder_is_refused_as_out_dir_and_left_byte_identical(data_dir, hf_dir, tmp_path, capsys):
+    """Issue 44 item 1 (data loss): the trainer pointed at a folder export.py made trained into it, rc 0, replacing
+    its config.json with the run's (from_pretrained then failed) and adding checkpoints that sample.py then took.
+    Now it is one line naming the folder and the fix, exit 2, every file of the export as it was."""
+    import export
+    hf = str(tmp_path / "hf")
+    export.export(hf_dir, hf)  # what `python export.py SRC out/quickstart/hf` writes
+    assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json"} <= set(os.listdir(hf))
+    before = files(hf)
+    for resume in ("false", "auto"):
+        assert train_gpt2.main(tiny_args(data_dir, hf, max_steps=2, resume=resume)) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith(f"error: out_dir {hf!r} is a Hugging Face model folder") and "--out_dir" in line, line
+        assert files(hf) == before  # the same names, bytes and mtimes: nothing written, nothing removed
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(hf)  # still loads
+
+
+@pytest.mark.parametrize("name", ["config.json", "log.jsonl", "curves.png", "wandb_run.json"])
+def test_a_folder_holding_a_file_the_trainer_would_overwrite_is_refused(data_dir, tmp_path, capsys, name):
+    """Issue 44 item 1: a folder holding a file of the name the trainer writes (config.json, log.jsonl, ...) that
+    no run of it wrote is refused before anything is written; a file the trainer never writes (notes.txt) is no
+    obstacle, and a run's own folder resumes as before."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / name).write_text('{"my": "settings"}\n')
+    (out / "notes.txt").write_text("my notes\n")
+    before = files(str(out))
+    assert train_gpt2.main(tiny_args(data_dir, str(out), max_steps=2)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line == (f"error: out_dir {str(out)!r} holds {name}, which train_gpt2.py did not write and would "
+                    f"overwrite: choose another --out_dir, or move {name} out of it"), line
+    assert files(str(out)) == before
+    (out / name).unlink()  # the notes alone: the run trains, then resumes in its own folder
+    assert train_gpt2.main(tiny_args(data_dir, str(out), max_steps=2, checkpoint_interval=1)) == 0
+    assert train_gpt2.main(tiny_args(data_dir, str(out), max_steps=3, checkpoint_interval=1, resume="auto")) == 0
+    assert (out / "notes.txt").read_text() == "my notes\n" and os.path.exists(out / "ckpt_000003.pt")

@@ -49,3 +49,6 @@ def test_end_of_run_summary(data_dir, tmp_path, capsys):
     assert lines[done + 1] == f"next: python sample.py --model {out}          # text from the newest checkpoint"
     assert f"python export.py {ckpt} {os.path.join(out, 'hf')}" in lines[done + 2]
     assert f"python plot.py {out} " in lines[done + 3] and done + 4 == len(lines)
+    # issue 44 item 8: plot.py needs matplotlib, which the install leaves out: said, with how to get it
+    assert lines[done + 3].endswith(f"{os.path.join(out, 'curves.png')} (needs matplotlib, optional: pip install "
+                                    "matplotlib)"), lines[done + 3]

@@ -231,6 +231,40 @@ def test_a_peers_signal_heard_in_an_eval_stops_this_rank_with_it(data_dir, strai
     assert step == 2 and path == os.path.join(out, "ckpt_000003.pt") and os.path.isfile(path)
     assert "val_loss" not in open(os.path.join(out, "log.jsonl")).read()
 
+
+def test_a_peer_gone_while_stopping_promises_no_save_and_names_the_newest(data_dir, tmp_path, monkeypatch, capfd):
+    """Issue 44 item 3: a worker SIGKILLed under torchrun (torchrun then SIGTERMs the others) made rank 0 promise
+    "finishing step 31, then step 32 is saved", then fail with "a peer did not answer": no step 32 was saved. Here
+    one rank under torchrun's environment (a real 1-rank gloo group) catches SIGTERM in step 5, whose all_reduce
+    then fails as a gone peer's does: the notice says the save needs every rank, the last line that nothing was
+    saved since the newest checkpoint on disk, naming it."""
+    from conftest import free_port
+    from gpt2train import distributed
+    ranks = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(free_port()))
+    for key, value in ranks.items():
+        monkeypatch.setenv(key, value)
+    real, n = distributed.over_ranks, [0]
+
+    def peer_gone(*a, **k):  # the step's all_reduce: at step 5, SIGTERM (torchrun's), then the peer is gone
+        n[0] += 1
+        if n[0] == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise torch.distributed.DistError("Connection closed by peer [127.0.0.1]:29500")
+        return real(*a, **k)
+    monkeypatch.setattr(distributed, "over_ranks", peer_gone)
+    out = str(tmp_path / "run")
+    assert main(args(data_dir, out, max_steps=100, checkpoint_interval=2)) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "SIGTERM: stopping: finishing step 5, then step 6 is saved if every rank answers; SIGTERM again quits " \
+        "at once without saving the last 2 step(s)" in err, err
+    newest = os.path.join(out, "ckpt_000004.pt")
+    assert err[-1].startswith("error: rank 0: a peer did not answer within dist_timeout or went away (Connection ")
+    assert err[-1].endswith(f"; nothing was saved since {newest}, the newest checkpoint: --resume=auto continues "
+                            "from it"), err[-1]
+    assert ckpts(out) == ["ckpt_000002.pt", "ckpt_000004.pt"]
+
+
 # -----------------------------------------------------------------------------
 # in this process: a second signal, the time limit
 

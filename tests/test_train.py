@@ -15,7 +15,8 @@ import torch
 
 from gpt2train import optim
 from gpt2train.config import Config, parse_args
-from conftest import ROOT, load_ckpt, read_log, step_losses, straight_args, tiny_args, tiny_model, write_shards
+from conftest import (ROOT, load_ckpt, one_line, read_log, step_losses, straight_args, tiny_args, tiny_model,
+                      write_shards)
 from model import GPT, GPTConfig
 from train_gpt2 import main
 
@@ -221,6 +222,27 @@ def test_quickstart_never_writes_into_a_folder_of_yours(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
     assert "holds no token shards" in err and f"use --data={mine}" in err
     assert os.listdir(mine) == ["book.txt"]
+
+
+def test_a_glob_skips_empty_files_as_a_folder_does_and_counts_them(tmp_path, capsys):
+    """Issue 44 item 5: --data with a glob refused the whole run for one empty file ("--data: .../__init__.py is
+    empty": a glob over a source tree always has some) while a folder skipped it without a word. Both skip empty
+    files now, and the data line counts them; one empty file named alone is still refused."""
+    src = tmp_path / "src" / "pkg"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "whale.py").write_text("".join(f"# Chapter {i}. The whale surfaced near the ship.\n" * 40
+                                          for i in range(40)))
+    (src / "crew.py").write_text("".join(f"def cheer_{i}():\n    return 'the crew cheered'\n" * 20 for i in range(40)))
+    runs = tmp_path / "runs"
+    for spec, name in ((f"{tmp_path}/src/**/*.py", "glob"), (f"{tmp_path}/src", "folder")):
+        args = [os.path.join(ROOT, "configs", "quickstart.py"), f"--data={spec}", f"--out_dir={runs / name}", *QUICK]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "data: tokenizing 2 file(s) (1 empty, skipped), " in out, out
+    assert main([os.path.join(ROOT, "configs", "quickstart.py"), f"--data={src / '__init__.py'}",
+                 f"--out_dir={runs / 'one'}", *QUICK]) == 2
+    assert one_line(capsys.readouterr().err) == f"error: --data: {src / '__init__.py'} is empty"
 
 
 def test_own_text_in_one_command(tmp_path, capsys):
