@@ -85,6 +85,10 @@ def main(argv):
             shape = (run.plan.device_type, run.B, run.T, run.grad_accum) if run else (None,) * 4
             print(where + precision.out_of_memory_message(e, *shape), file=sys.stderr)
             return 1
+        if isinstance(e, distributed.RestartFailed):  # a torchrun restart that could not start
+            print(e, file=sys.stderr)
+            launcher_note(str(e))
+            return 1
         if not (env.ddp and distributed.peer_failure(e)):
             raise
         held = checkpoint.held_steps(run.cfg.out_dir) if run else None  # what is saved: on disk

@@ -15,6 +15,8 @@ import math
 import os
 import shlex
 import sys
+import time
+import uuid
 from typing import NamedTuple
 
 import torch
@@ -33,6 +35,8 @@ class DistEnv:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    restarts: int = 0  # how often torchrun restarted this node's workers (--max_restarts)
+    agent_store: bool = False  # the workers share torchrun's rendezvous store (its default)
 
     @classmethod
     def from_environ(cls, environ=None):
@@ -40,7 +44,9 @@ class DistEnv:
         return cls(ddp="RANK" in e, rank=int(e.get("RANK", 0)),
                    local_rank=int(e.get("LOCAL_RANK", 0)),
                    world_size=int(e.get("WORLD_SIZE", 1)),
-                   local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)))
+                   local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
+                   restarts=int(e.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                   agent_store=e.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
     @property
     def master(self):
@@ -74,10 +80,15 @@ class DistEnv:
                 "steps since the last checkpoint")
 
 
+class RestartFailed(RuntimeError):
+    """A group restarted by torchrun that could not connect at start-up; the message is the line
+    to print."""
+
+
 def init(env, device, timeout_s):
     """Under torchrun: the process group (NCCL on CUDA, gloo on CPU) with timeout_s for collectives,
     and a gloo group for rank0_first's start-up waits (STARTUP_TIMEOUT). Returns that group, or
-    None."""
+    None. Both keep their keys under a prefix of this attempt's own (attempt_prefix)."""
     if not env.ddp:
         return None
     device_type = torch.device(device).type
@@ -88,9 +99,52 @@ def init(env, device, timeout_s):
     # NCCL: the watchdog tears a hung collective down after dist_timeout (3: without cleanup, the
     # torch default; 0 would leave it blocking forever); gloo raises in the waiting rank
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        prefix = attempt_prefix(store, env, timeout_s)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                store=dist.PrefixStore(prefix, store), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+        return dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
+    except RuntimeError as e:
+        if env.restarts and env.agent_store:
+            raise RestartFailed(restart_failure_line(e, env.rank)) from e
+        raise
+
+
+def attempt_prefix(store, env, timeout_s):
+    """A store prefix that this attempt's ranks agree on and no earlier attempt used. torchrun keeps
+    one store for all its restarts (torch 2.13), so without one a restarted group reads the dead
+    workers' addresses and fails to connect (pytorch/pytorch#135712): rank 0 draws a fresh name,
+    and each other rank takes the name it reads only once rank 0 has echoed its own fresh token
+    under it (a name left by an earlier attempt gets no echo: rank 0 of that attempt is gone)."""
+    if env.master:
+        name = uuid.uuid4().hex
+        store.set("gpt2train/attempt", name)
+        for r in range(1, env.world_size):  # each get waits for rank r, up to the store's timeout
+            store.set(f"gpt2train/{name}/pong/{r}", store.get(f"gpt2train/{name}/ping/{r}"))
+        return f"gpt2train/{name}/"
+    token, deadline = uuid.uuid4().hex.encode(), time.monotonic() + timeout_s
+    while True:
+        name = store.get("gpt2train/attempt").decode()  # waits for rank 0 on a first start
+        store.set(f"gpt2train/{name}/ping/{env.rank}", token)
+        pong = f"gpt2train/{name}/pong/{env.rank}"
+        if store.check([pong]) and store.get(pong) == token:
+            return f"gpt2train/{name}/"
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rank 0 did not answer rank {env.rank} at start-up within "
+                                      f"{timeout_s} s")
+        time.sleep(0.1)  # polled: a store wait that times out logs a warning each time
+
+
+def restart_failure_line(e, rank):
+    """The error line for a group that torchrun restarted and that failed at start-up."""
+    why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    return (f"error: rank {rank}: the workers torchrun restarted could not start together ({why}): "
+            "start torchrun again with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set (a fresh "
+            "rendezvous store for each restart, pytorch/pytorch#135712); --resume=auto continues "
+            "from the newest checkpoint")
 
 
 def teardown():

@@ -81,12 +81,14 @@ def fail(e, quiet=False):
 def launcher_note(line):
     """Under torchrun, the error line into this worker's error file as well: torchrun's failure
     summary, printed last, then shows it instead of "To enable traceback see ..." (the line above
-    stays visible)."""
+    stays visible). In the layout torch's own @record writes, less the traceback: a plain string
+    there makes torchrun log a warning of its own about the file (two lines)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
+                json.dump({"message": {"message": line,
+                                       "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass
 

@@ -1,19 +1,23 @@
 """distributed.py: the launcher's environment read once (DistEnv), the command that continues a run, the
 grace note, peer failures, and what the ranks do together: agree() and rank0_first() in real 2-process
 gloo groups (spawned here, joined with a bound and killed by pid on every path)."""
+import datetime
 import json
 import os
 import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from gpt2train import distributed
-from conftest import ROOT
-from gpt2train.distributed import DistEnv, agree, peer_failure, rank0_first
+from conftest import ROOT, one_line, tiny_args, write_shards
+from gpt2train.distributed import DistEnv, RestartFailed, agree, attempt_prefix, peer_failure, rank0_first
 from gpt2train.fileio import UserError
+from train_gpt2 import main
 
 
 def spawn_two(target, *args, timeout=60):
@@ -43,6 +47,10 @@ def test_dist_env_from_environ():
     one = DistEnv.from_environ({"PATH": "/bin"})  # not under torchrun
     assert one == DistEnv() and (one.ddp, one.rank, one.world_size, one.master, one.nodes) == (False, 0, 1, True, 1)
     assert DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}).master
+    restarted = DistEnv.from_environ({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2",
+                                      "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (restarted.restarts, restarted.agent_store) == (2, True)
+    assert not DistEnv.from_environ({"RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}).agent_store
 
 
 def test_dist_env_is_read_from_os_environ_by_default(monkeypatch):
@@ -96,6 +104,95 @@ def test_one_process_needs_no_group():
     assert rank0_first(lambda: 42, DistEnv(), None) == 42
     with pytest.raises(UserError, match="bad"):
         rank0_first(lambda: (_ for _ in ()).throw(UserError("bad")), DistEnv(), None)
+
+# -----------------------------------------------------------------------------
+# start-up after a torchrun restart: one store outlives the attempts
+
+
+def _attempt(port, world_size, first=(), delay=0.0, timeout_s=30):
+    """attempt_prefix on every rank (threads, one store client each); the ranks in first start delay s
+    before the others. Returns {rank: prefix or the exception}."""
+    got = {}
+
+    def rank(r):
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            got[r] = attempt_prefix(store, DistEnv(ddp=True, rank=r, world_size=world_size), timeout_s)
+        except RuntimeError as e:
+            got[r] = e
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world_size)]
+    for r in sorted(range(world_size), key=lambda r: r not in first):
+        threads[r].start()
+        if r in first and delay:
+            time.sleep(delay)
+    for t in threads:
+        t.join(timeout=timeout_s + 10)
+    return got
+
+
+def test_a_restarted_attempt_agrees_on_keys_no_earlier_attempt_used():
+    """torchrun keeps one store over its restarts: the ranks of a new attempt must not take the last attempt's
+    name, even when they read the store before the new rank 0 has written to it (the restart's race)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    first = _attempt(server.port, 3)
+    assert len(set(first.values())) == 1 and str(first[0]).startswith("gpt2train/"), first
+    second = _attempt(server.port, 3, first=(1, 2), delay=1.0)  # ranks 1 and 2 read the old name first
+    assert len(set(second.values())) == 1 and second[0] != first[0], (first, second)
+    third = _attempt(server.port, 3)  # and once more, rank 0 first
+    assert len(set(third.values())) == 1 and third[0] not in (first[0], second[0])
+
+
+def test_a_rank_whose_rank_0_never_comes_gives_up_within_the_timeout():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    _attempt(server.port, 2)  # an earlier attempt's name is in the store; its rank 0 is gone
+    t0 = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    with pytest.raises(dist.DistStoreError, match="rank 0 did not answer rank 1 at start-up within 1 s"):
+        attempt_prefix(store, DistEnv(ddp=True, rank=1, world_size=2), 1)
+    assert 1 <= time.monotonic() - t0 < 10
+
+
+GLOO_RESTART_ERROR = ("Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                      "pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:47014$0")
+
+
+def fail_to_connect(monkeypatch):
+    """torchrun's environment for global rank 0 of one rank after a restart, its store on 127.0.0.1; the
+    group's connection then fails as a restart on torch 2.13 can."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    environ = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(server.port), TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_USE_AGENT_STORE="True")
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+
+    def init_process_group(*args, **kwargs):
+        raise RuntimeError(GLOO_RESTART_ERROR)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    return server
+
+
+def test_a_restart_that_cannot_connect_names_the_variable(monkeypatch):
+    server = fail_to_connect(monkeypatch)  # noqa: F841 - the store lives through the test
+    env = DistEnv.from_environ()
+    with pytest.raises(RestartFailed) as e:
+        distributed.init(env, "cpu", 10)
+    line = str(e.value)
+    assert line.startswith("error: rank 0: the workers torchrun restarted could not start together (Gloo connectF")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and "--resume=auto" in line and "\n" not in line
+    # a first start, or a restart without the shared store: not this failure, the error as it came
+    for other in (DistEnv(ddp=True, agent_store=True), DistEnv(ddp=True, restarts=1)):
+        with pytest.raises(RuntimeError, match="connectFullMesh") as e:
+            distributed.init(other, "cpu", 10)
+        assert not isinstance(e.value, RestartFailed)
+
+
+def test_the_trainer_says_a_failed_restart_in_one_line(tmp_path, monkeypatch, capsys):
+    server = fail_to_connect(monkeypatch)  # noqa: F841
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert main(tiny_args(write_shards(str(tmp_path / "data")), str(tmp_path / "out"))) == 1
+    line = one_line(capsys.readouterr().err)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and "connectFullMesh" in line
+    assert json.load(open(tmp_path / "error.json"))["message"] == line  # torchrun's summary shows it too
 
 # -----------------------------------------------------------------------------
 # the ranks together: 2 gloo processes

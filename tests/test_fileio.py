@@ -1,9 +1,13 @@
 import json
+import logging
 import os
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import error_handler
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from gpt2train.fileio import replacing, replacing_dir, write_json
+from gpt2train.fileio import launcher_note, replacing, replacing_dir, write_json
 
 
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
@@ -85,3 +89,23 @@ def test_a_directory_follows_the_umask(tmp_path, umask_027):
         open(os.path.join(tmp, "config.json"), "w").write("{}")
     assert mode(out) == mode(os.path.join(out, "sub")) == 0o750
     assert mode(os.path.join(out, "sub", "w.bin")) == mode(os.path.join(out, "config.json")) == 0o640
+
+
+def test_the_error_line_reaches_torchruns_summary_without_warnings_of_its_own(tmp_path, monkeypatch, caplog):
+    """torchrun reads a failed worker's error file twice: for its summary (the line, not "To enable traceback
+    see ...") and to copy it with the worker's exit code, which logged a warning for a plain-string message."""
+    path = str(tmp_path / "error.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", path)
+    line = "error: --max_steps=ten is not an integer (default: 160)"
+    launcher_note(line)
+    summary = ChildFailedError("train_gpt2.py", {0: ProcessFailure(0, 1234, 2, path)}).format_msg()
+    assert f"traceback : {line}" in summary and "exitcode  : 2" in summary, summary
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    torch_logger = logging.getLogger(error_handler.__name__)  # torch's loggers stop short of caplog's
+    torch_logger.addHandler(caplog.handler)
+    try:
+        ErrorHandler().dump_error_file(path, error_code=2)
+    finally:
+        torch_logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not warnings, warnings

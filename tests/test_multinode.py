@@ -59,7 +59,7 @@ def test_killed_worker_restarts_and_ends_with_the_same_weights(tmp_path):
     with LaunchedTree([standalone(tiny_args(data, straight, **ELASTIC))], tmp_path / "a", env=torchrun_env()) as run:
         assert run.wait(timeout=180) == [0], run.logs()
     with LaunchedTree([standalone(tiny_args(data, elastic, **ELASTIC), "--max_restarts=1")], tmp_path / "b",
-                  env=torchrun_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")) as run:
+                  env=torchrun_env()) as run:  # the plain command: no TORCH_DISABLE_SHARE_RDZV_TCP_STORE
         wait_for(lambda: os.path.exists(os.path.join(elastic, "ckpt_000010.pt")), 120, "the first checkpoints")
         rank1 = torchrun_workers(run.procs[0].pid)[1]
         os.kill(rank1, signal.SIGSTOP)  # frozen first (rank 0 waits for it), so the kill lands mid-run
