@@ -350,7 +350,7 @@ def fused_probe(device, dtype):
 def fused_head_bytes(n_rows, vocab_size, n_embd, dtype=torch.float32):
     """(bytes the fused head keeps for backward beyond lm_head's input and weight cast, bytes its
     backward allocates on top) for n_rows = B*T rows of vocab_size logits: it keeps the one (N, V)
-    buffer in the compute dtype (the logits, turned into dL/dlogits) and nothing else of size N x V;
+    buffer in the compute dtype (the logits, turned into dL/dlogits; no logits are returned);
     backward's GEMMs write dL/dh (N, C) and dL/dW (V, C) in the compute dtype beside their fp32
     scaled operands (at most an (N, C) fp32 and a (V, C) fp32 cast at once, counted on the safe
     side)."""

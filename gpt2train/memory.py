@@ -96,9 +96,9 @@ def checkpointed_layers(n_layer, activation_checkpointing):
 
 
 def activation_bytes_estimate(step, micro_batch):
-    """(bytes one forward leaves alive for backward, bytes of the logits it returns or, fused, keeps
-    as dL/dlogits), by arithmetic from the shapes (autograd's saved tensors exactly; the batch is
-    the caller's)."""
+    """(bytes one forward leaves alive for backward, bytes of the logits it returns), by arithmetic
+    from the shapes (autograd's saved tensors exactly; the batch is the caller's). The fused head
+    returns none: its one logits-sized buffer (dL/dlogits) is saved, an activation."""
     config, a = step.config, 4 if step.dtype == torch.float32 else 2
     B, T, C, L = micro_batch, step.seq_len, config.n_embd, config.n_layer
     nh, V = config.n_head, config.vocab_size
@@ -114,18 +114,16 @@ def activation_bytes_estimate(step, micro_batch):
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
     full = step.loss_impl in ("full", "fused")  # lm_head's input and weight in the compute dtype
-    logits = B * T * V * a if full else 0  # returned (full) or kept as dL/dlogits (fused)
     if step.loss_impl == "full":  # lm_head's input, what cross-entropy keeps, its total_weight
         head += B * T * C * a + full_head_bytes(B * T, V, step.dtype, step.compiled)[0] + 4
-    elif step.loss_impl == "fused":  # lm_head's input, n_valid; the buffer is the logits'
-        head += B * T * C * a + 4
-        logits = fused_head_bytes(B * T, V, C, step.dtype)[0]
+    elif step.loss_impl == "fused":  # lm_head's input, the one (N, V) buffer, n_valid (int64)
+        head += B * T * C * a + fused_head_bytes(B * T, V, C, step.dtype)[0] + 8
     else:  # dL/dh, dL/dW, n_valid
         head += B * T * C * 4 + V * C * 4 + 4
     # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
     block_copies = 0 if step.fsdp and step.device_type == "cuda" else (L - n_ckpt) * 12 * C * C
     weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
-    return layers + head + weights, logits
+    return layers + head + weights, B * T * V * a if step.loss_impl == "full" else 0
 
 
 def param_counts(config):
