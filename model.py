@@ -9,8 +9,9 @@ The GPT-2 model, in one file.
 
 GPTConfig is the architecture a checkpoint saves; how a run executes the model is set apart from it
 (GPT(config, loss_impl="full") or model.set_runtime(...)): loss_impl="full" returns the logits with
-the loss (F.cross_entropy, fused into the graph when compiled), the default "chunked" never builds
-them (ce_chunk_rows rows of logits at a time); activation_checkpointing="blocks" or "every_other"
+the loss (F.cross_entropy, fused into the graph when compiled), "fused" writes dL/dlogits over them
+in one Triton pass (a custom op, in the graph too), the default "chunked" never builds them
+(ce_chunk_rows rows of logits at a time); activation_checkpointing="blocks" or "every_other"
 recomputes those blocks in backward instead of keeping their activations.
 
 Also here: FLOPs per token (gpt2train/precision.py has the MFU). The loss head is
@@ -219,8 +220,8 @@ class GPT(nn.Module):
         """(logits (B, T, vocab_size), None) without targets. With targets, the mean cross-entropy
         (targets of -1 are masked out), from gpt2train/loss.py's loss_head: loss_impl="chunked"
         returns (None, loss) and never builds the full logits; "full" returns (logits, loss) from
-        F.cross_entropy. pos and attn_mask are for packed sequences (see hidden_states): a compiled
-        model takes them here."""
+        F.cross_entropy; "fused" returns (None, loss), its logits turned into dL/dlogits. pos and
+        attn_mask are for packed sequences (see hidden_states): a compiled model takes them here."""
         h = self.hidden_states(idx, pos, attn_mask)  # (B, T, C)
         if targets is None:
             return self.lm_head(h), None  # (B, T, vocab_size)

@@ -136,8 +136,10 @@ class Config:
                         # ranks (FSDP2)
     activation_checkpointing: str = "none"  # "blocks" or "every_other": recompute blocks in
                                             # backward
-    loss_impl: str = "auto"  # loss head: auto = full logits where compiled and they fit, else
-                             # chunked; full, chunked
+    loss_impl: str = "auto"  # loss head: auto = fused on CUDA where Triton runs it, else full
+                             # logits where compiled and they fit, else chunked; full, chunked,
+                             # fused (one Triton pass over the logits, in place; CPU: only under
+                             # TRITON_INTERPRET=1)
 
 
 CHOICES = {

@@ -1,18 +1,23 @@
 """
 GPT-2's loss head, the one function model.py calls: lm_head's logits and their cross-entropy, in one
-of two ways.
+of three ways.
 
     from gpt2train.loss import loss_head, loss_chunk_rows
     logits, loss = loss_head(h, lm_head.weight, targets, "full")  # inside the compiled graph
+    _, loss = loss_head(h, lm_head.weight, targets, "fused")  # one Triton pass, in place
     _, loss = loss_head(h, lm_head.weight, targets, "chunked", rows)  # never the (B*T, V) logits
 
 "full" is F.cross_entropy over the whole (B*T, V) logits: where the model is compiled, inductor
 fuses it into the model's one graph (no graph break; what autograd keeps is the logits in the
-compute dtype, ~2 bytes a logit). "chunked" is the memory fallback (plans that do not compile,
-micro-batches where the full logits do not fit): an eager loop over rows of logits, in place, by
-design outside any compiled graph (one graph break). Which one a run uses is memory.py's decision
-(memory.choose_loss_impl); loss_chunk_rows sizes the chunks; memory.py counts both heads' bytes
-(loss_head_temp_bytes) without importing model.py.
+compute dtype, ~2 bytes a logit; its backward writes a second logits-sized tensor). "fused" is
+llm.c's fused classifier: the logits by one GEMM, then one Triton kernel (loss_kernels.py) writes
+each row's loss and dL/dlogits over the logits, in place, so that backward is the two GEMMs on that
+one buffer; a torch.library custom op, inside the compiled graph (docs/loss_head.md). "chunked" is
+the memory fallback (micro-batches where the logits do not fit): an eager loop over rows of logits,
+in place, by design outside any compiled graph (one graph break). Which one a run uses is
+memory.py's decision (memory.choose_loss_impl); loss_chunk_rows sizes the chunks; memory.py counts
+the heads' bytes (loss_head_temp_bytes, full_head_bytes, fused_head_bytes) without importing
+model.py.
 """
 import functools
 
@@ -20,16 +25,18 @@ import torch
 from torch.nn import functional as F
 
 CE_CHUNK_ROWS = 1024  # the default chunk: 1024 x 50304 fp32 logits = 197 MiB
-# the loss head's two forms (the trainer's loss_impl adds "auto": memory.py's)
-LOSS_IMPLS = ("full", "chunked")
+# the loss head's forms (the trainer's loss_impl adds "auto": memory.py's)
+LOSS_IMPLS = ("full", "chunked", "fused")
 
 
 def loss_head(h, weight, targets, impl="chunked", chunk_rows=CE_CHUNK_ROWS):
     """(logits (B, T, V) or None, the mean cross-entropy) of h (B, T, C) against targets (B, T), -1
-    ignored, through weight (V, C): impl "full" (the logits too) or "chunked" (chunk_rows rows of
-    logits at a time)."""
+    ignored, through weight (V, C): impl "full" (the logits too), "fused" (one Triton pass over
+    the logits, which become dL/dlogits) or "chunked" (chunk_rows rows of logits at a time)."""
     if impl == "chunked":  # (the graph ends at h: the call breaks it, by design)
         return None, chunked_cross_entropy(h, weight, targets, chunk_rows)
+    if impl == "fused":
+        return None, fused_loss(h, weight, targets)
     logits = F.linear(h, weight)  # (B, T, V)
     return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1)
@@ -131,6 +138,13 @@ def full_head_bytes(n_rows, vocab_size, dtype=torch.float32, compiled=False):
     return n_rows * vocab_size * 4, n_rows * vocab_size * (8 + (a if a == 2 else 0))
 
 
+def compute_dtype(h, weight):
+    """The dtype lm_head's matmul runs in: autocast's where autocast is on, else weight's."""
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return weight.dtype
+
+
 @torch.compiler.disable
 def chunked_cross_entropy(h, weight, targets, chunk_rows=CE_CHUNK_ROWS):
     """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (..., C), weight (V, C),
@@ -138,10 +152,7 @@ def chunked_cross_entropy(h, weight, targets, chunk_rows=CE_CHUNK_ROWS):
     in the autocast dtype (else weight's), the softmax in fp32, as autocast would run the unchunked
     version; eager, in place."""
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)  # (N, C), (N,)
-    device_type = h.device.type
-    dtype = weight.dtype
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    dtype = compute_dtype(h, weight)
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return ChunkedCrossEntropy.apply(h, weight, targets, dtype, chunk_rows, need_grad)
 
@@ -221,3 +232,127 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # (): one pass over each gradient for the mean and the incoming gradient
         scale = grad_loss / n_valid
         return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None
+
+# -----------------------------------------------------------------------------
+# fused cross-entropy: llm.c's fused classifier, one custom op inside the compiled graph
+#
+# The op owns the logits GEMM: it allocates the (N, V) logits, the Triton kernel (loss_kernels.py)
+# turns them into dL/dlogits in place, and the op returns that buffer as an output autograd saves:
+# no mutated input for functionalization to copy, one logits-sized tensor, no host sync. dL/dlogits
+# is written unscaled (softmax - one_hot, in [-1, 1]); the incoming gradient (1/n_valid,
+# 1/grad_accum, the loss scale) is a per-row factor applied on the (N, C) side of the two backward
+# GEMMs, never folded into the 16-bit buffer (docs/loss_head.md: why, and how fp16 stays right).
+
+def fused_loss(h, weight, targets):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) for h (..., C), weight (V, C) and
+    targets (...), the matmuls in the compute dtype, through the fused op."""
+    dtype = compute_dtype(h, weight)
+    targets = targets.reshape(-1)  # (N,)
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    losses, _ = fused_cross_entropy(h.reshape(-1, h.size(-1)).to(dtype), weight.to(dtype), targets,
+                                    grad)  # (N,) fp32
+    return losses.sum() / (targets != -1).sum()  # the mean over valid rows (none: nan, as F's)
+
+
+@torch.library.custom_op("gpt2train::fused_cross_entropy", mutates_args=())
+def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's loss (N,) fp32, dL/dlogits unscaled (N, V) in h's dtype: the logits where not
+    grad) for h (N, C) and weight (V, C) in one dtype, targets (N,) with -1 ignored."""
+    why = fused_unusable(h.device.type)
+    if why:
+        raise RuntimeError(f"loss_impl=fused: {why}")
+    from gpt2train import loss_kernels
+    with torch.autocast(h.device.type, enabled=False):  # the dtype is the caller's
+        logits = h @ weight.t()  # (N, V): the one logits-sized tensor
+    losses = torch.empty(h.size(0), dtype=torch.float32, device=h.device)  # (N,)
+    loss_kernels.cross_entropy_rows(logits, targets.contiguous(), losses, grad)
+    return losses, logits
+
+
+@fused_cross_entropy.register_fake
+def _(h, weight, targets, grad):
+    return h.new_empty(h.size(0), dtype=torch.float32), h.new_empty(h.size(0), weight.size(0))
+
+
+def fused_setup_context(ctx, inputs, output):
+    _, _, _, ctx.grad = inputs
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])  # h, weight, dL/dlogits: no copy
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # its gradient stays None: no logits-sized zeros in backward
+
+
+def fused_backward(ctx, grad_losses, _):
+    """The two GEMMs on the saved dL/dlogits, the incoming per-row gradient applied in fp32 to
+    the (N, C) operand or product, never to the (N, V) buffer."""
+    if not ctx.grad:
+        raise RuntimeError("fused_cross_entropy ran with grad=False: it wrote no gradient")
+    h, weight, dlogits = ctx.saved_tensors
+    scale = grad_losses[:, None]  # (N, 1) fp32: 1/n_valid x 1/grad_accum x the loss scale
+    grad_h = ((dlogits @ weight).float() * scale).to(h.dtype)  # (N, C)
+    grad_w = dlogits.t() @ (h.float() * scale).to(h.dtype)  # (V, C)
+    return grad_h, grad_w, None, None
+
+
+fused_cross_entropy.register_autograd(fused_backward, setup_context=fused_setup_context)
+
+
+@functools.cache
+def fused_unusable(device_type):
+    """Why the fused head cannot run on this device type, in one line ("" where it can): Triton
+    missing or broken, the CPU without Triton's interpreter, a device Triton does not drive."""
+    try:
+        from gpt2train import loss_kernels
+    except Exception as e:  # not installed, or an install that fails to import
+        return (f"needs Triton, which does not import here ({type(e).__name__}: {e}): "
+                "pip install triton")
+    if device_type == "cpu" and not loss_kernels.INTERPRETED:
+        return ("on CPU its Triton kernel runs only under Triton's interpreter: start the process "
+                "with TRITON_INTERPRET=1 (slow: for tests)")
+    if device_type == "cuda" and loss_kernels.INTERPRETED:
+        return "TRITON_INTERPRET=1 is set: the kernel would run on the CPU's interpreter; unset it"
+    if device_type not in ("cpu", "cuda"):
+        return f"Triton drives CUDA GPUs (and the CPU under its interpreter), not {device_type}"
+    return ""
+
+
+@functools.cache
+def fused_probe(device, dtype):
+    """Whether the fused head runs on device in dtype and gives F.cross_entropy's loss and gradients
+    on a small input (odd vocab, ignored rows): "" where it does, else why not, in one line. Once
+    per (device, dtype) a process: the start-up check before auto picks it."""
+    why = fused_unusable(torch.device(device).type)
+    if why:
+        return why
+    g = torch.Generator().manual_seed(0)
+    N, C, V = 24, 32, 1001
+    h32, w32 = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::5] = -1
+    try:
+        with torch.autocast(torch.device(device).type, enabled=False):
+            h, w = (t.to(device, dtype).requires_grad_() for t in (h32, w32))
+            ours = fused_loss(h, w, targets.to(device))
+            got = [ours.detach(), *torch.autograd.grad(ours, (h, w))]
+            h, w = (t.detach().float().requires_grad_() for t in (h, w))  # the same values, fp32
+            ref = F.cross_entropy(h @ w.t(), targets.to(device), ignore_index=-1)
+            want = [ref.detach(), *torch.autograd.grad(ref, (h, w))]
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for name, a, b in zip(("loss", "dL/dh", "dL/dW"), got, want):
+            err = ((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+            if not err <= tol:  # nan too
+                return f"its probe's {name} is {err:.1e} off F.cross_entropy's (tolerance {tol})"
+    except Exception as e:  # any failure: the head is off here, the run goes on without it
+        return f"its kernel failed the probe ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
+    return ""
+
+
+def fused_head_bytes(n_rows, vocab_size, n_embd, dtype=torch.float32):
+    """(bytes the fused head keeps for backward beyond lm_head's input and weight cast, bytes its
+    backward allocates on top) for n_rows = B*T rows of vocab_size logits: it keeps the one (N, V)
+    buffer in the compute dtype (the logits, turned into dL/dlogits; no logits are returned);
+    backward's GEMMs write dL/dh (N, C) and dL/dW (V, C) in the compute dtype beside their fp32
+    scaled operands (at most an (N, C) fp32 and a (V, C) fp32 cast at once, counted on the safe
+    side)."""
+    a = torch.finfo(dtype).bits // 8
+    return n_rows * vocab_size * a, (n_rows * n_embd + vocab_size * n_embd) * (a + 4)

@@ -8,6 +8,7 @@ How the estimate counts: docs/benchmarks.md#how-the-estimate-counts; reports: be
     B, T, why, model = choose_micro_batch(raw_model, optimizers, plan, step, asked)  # the trainer's
 """
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -19,7 +20,8 @@ from gpt2train.config import Config
 from gpt2train.distributed import agree
 from gpt2train.fileio import UserError
 from gpt2train.logger import print0, warn0
-from gpt2train.loss import CE_CHUNK_ROWS, full_head_bytes, loss_chunk_rows, loss_head_temp_bytes
+from gpt2train.loss import (CE_CHUNK_ROWS, full_head_bytes, fused_head_bytes, fused_probe,
+                            loss_chunk_rows, loss_head_temp_bytes)
 from gpt2train.optim import train_step
 from gpt2train.precision import (available_ram, compile_model, compiles, free_memory,
                                  fsdp_param_dtype, is_oom, synchronize)
@@ -38,7 +40,9 @@ class Step:
     optimizer: str = "adamw"  # muon: one state buffer for the blocks' matrices, not two
     activation_checkpointing: str = "none"  # none | blocks | every_other
     fsdp: bool = False  # the parameters, gradients and optimizer state sharded over world_size
-    loss_impl: str = "chunked"  # full | chunked; "auto" is weighed chunked (choose_loss_impl)
+    # full | chunked | fused (one logits-sized buffer, in place); "auto" is weighed chunked
+    # (choose_loss_impl decides)
+    loss_impl: str = "chunked"
     compiled: bool = False  # the model runs torch.compile'd (a compiled full head keeps less)
     ce_chunk_rows: int = CE_CHUNK_ROWS  # the chunked head's rows a chunk
     # what setup leaves to choose_micro_batch (the user's settings are kept)
@@ -93,7 +97,8 @@ def checkpointed_layers(n_layer, activation_checkpointing):
 
 def activation_bytes_estimate(step, micro_batch):
     """(bytes one forward leaves alive for backward, bytes of the logits it returns), by arithmetic
-    from the shapes (autograd's saved tensors exactly; the batch is the caller's)."""
+    from the shapes (autograd's saved tensors exactly; the batch is the caller's). The fused head
+    returns none: its one logits-sized buffer (dL/dlogits) is saved, an activation."""
     config, a = step.config, 4 if step.dtype == torch.float32 else 2
     B, T, C, L = micro_batch, step.seq_len, config.n_embd, config.n_layer
     nh, V = config.n_head, config.vocab_size
@@ -108,15 +113,17 @@ def activation_bytes_estimate(step, micro_batch):
     n_ckpt = checkpointed_layers(L, step.activation_checkpointing)
     layers = (L - n_ckpt) * per_layer + n_ckpt * B * T * C * 4
     head = B * T * C * 4 + 2 * B * T * 4 + T * 8  # ln_f input, mean/rstd; position ids
-    full = step.loss_impl == "full"
-    if full:  # lm_head's input, what cross-entropy keeps, its total_weight
+    full = step.loss_impl in ("full", "fused")  # lm_head's input and weight in the compute dtype
+    if step.loss_impl == "full":  # lm_head's input, what cross-entropy keeps, its total_weight
         head += B * T * C * a + full_head_bytes(B * T, V, step.dtype, step.compiled)[0] + 4
+    elif step.loss_impl == "fused":  # lm_head's input, the one (N, V) buffer, n_valid (int64)
+        head += B * T * C * a + fused_head_bytes(B * T, V, C, step.dtype)[0] + 8
     else:  # dL/dh, dL/dW, n_valid
         head += B * T * C * 4 + V * C * 4 + 4
     # c_attn 3CC, c_proj CC, c_fc 4CC, mlp c_proj 4CC
     block_copies = 0 if step.fsdp and step.device_type == "cuda" else (L - n_ckpt) * 12 * C * C
     weights = 0 if a == 4 else 2 * (block_copies + (V * C if full else 0))
-    return layers + head + weights, B * T * V * a if full else 0
+    return layers + head + weights, B * T * V * a if step.loss_impl == "full" else 0
 
 
 def param_counts(config):
@@ -145,6 +152,8 @@ def training_bytes_estimate(step, micro_batch):
     parts["activations"], parts["logits"] = activation_bytes_estimate(step, B)
     if step.loss_impl == "full":
         head = full_head_bytes(B * T, V, step.dtype, step.compiled)[1]
+    elif step.loss_impl == "fused":  # no second logits-sized tensor
+        head = fused_head_bytes(B * T, V, C, step.dtype)[1]
     else:
         head = loss_head_temp_bytes(B * T, V, C, step.ce_chunk_rows, step.dtype, step.device_type)
     bare = replace(step, fsdp=False, activation_checkpointing="none", loss_impl="chunked",
@@ -231,18 +240,46 @@ def loss_chunk(plan, rows, vocab_size):
                            plan.device)
 
 
+FUSED_MIN_CAPABILITY = (7, 0)  # Triton's oldest GPU generation
+
+
+@functools.cache
+def fused_runs(device, dtype):
+    """Whether the fused head passes its start-up probe (loss.fused_probe) on this CUDA device and
+    dtype; where it fails, one warning line, once a process."""
+    why = fused_probe(device, dtype)
+    if why:
+        warn0(f"loss_impl=auto: the fused loss head is off here, {why}; the full or chunked head "
+              "runs instead")
+    return not why
+
+
 def choose_loss_impl(plan, step, micro_batch):
-    """(the loss head at this micro-batch, why): step.loss_impl full/chunked is kept; auto is full
-    where the plan compiles and the compiled full head fits (1 - FIT_HEADROOM of the GPU, the free
-    RAM on CPU), else chunked (eager, in place)."""
+    """(the loss head at this micro-batch, why): step.loss_impl full/chunked is kept, fused too
+    where it runs here (else UserError); auto is fused on CUDA where Triton runs its kernel (the
+    start-up probe) and the logits fit (1 - FIT_HEADROOM of the GPU), else full where the plan
+    compiles and the compiled full head fits (the free RAM on CPU), else chunked (eager, in
+    place)."""
+    if step.loss_impl == "fused":
+        why = fused_probe(plan.device, plan.dtype)
+        if why:
+            raise UserError(f"loss_impl=fused: {why}; use loss_impl=full, chunked or auto")
+        return "fused", "loss_impl=fused: one Triton pass over the logits, in place (as asked)"
     if step.loss_impl != "auto":
         return step.loss_impl, ""
+    on_gpu = plan.device_type == "cuda" and plan.memory
+    if on_gpu and (plan.capability or (0,)) >= FUSED_MIN_CAPABILITY and fused_runs(plan.device,
+                                                                                  plan.dtype):
+        fused = replace(step, loss_impl="fused", compiled=plan.compile)
+        need = sum(training_bytes_estimate(fused, micro_batch).values())
+        if need <= (1 - FIT_HEADROOM) * plan.memory:
+            return "fused", (f"loss_impl=fused: one Triton pass over the logits, in place "
+                             f"(~{fmt_bytes(need)} estimated of {fmt_bytes(plan.memory)})")
     if not plan.compile:
         return "chunked", ("loss_impl=chunked: the plan does not compile (eager full logits keep "
                            "~4 more bytes a logit)")
     full = replace(step, loss_impl="full", compiled=True)
     need = sum(training_bytes_estimate(full, micro_batch).values())
-    on_gpu = plan.device_type == "cuda" and plan.memory
     room = (1 - FIT_HEADROOM) * plan.memory if on_gpu else available_ram()
     if room is None or need <= room:
         where = f" of {fmt_bytes(room)}" if room else ""
@@ -421,7 +458,7 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, compile_line="
         capacity = min(capacity, plan.memory)
     # the largest chunk: a safe cap
     widest = loss_chunk(plan, max(1, step.rows) * T, step.config.vocab_size)
-    head = "full" if step.loss_impl == "full" else "chunked"
+    head = step.loss_impl if step.loss_impl in ("full", "fused") else "chunked"
     cap, note = micro_batch_cap(replace(step, ce_chunk_rows=widest, loss_impl=head),
                                 (1 - headroom) * capacity)
 

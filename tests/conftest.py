@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+# loss_impl=fused's Triton kernel on CPU runs under Triton's interpreter (tests/test_loss_fused.py); Triton reads
+# this when triton.language is imported, which torch does on importing model.py (its custom op): before that
+if not torch.cuda.is_available():  # on a GPU the compiled kernels run, the interpreter would take them over
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))

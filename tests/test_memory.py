@@ -31,7 +31,7 @@ NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # bf16/fp32: a disabled 
 
 @pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("naive", torch.float32), ("sdpa", torch.bfloat16),
                                         ("naive", torch.bfloat16)])
-@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+@pytest.mark.parametrize("loss_impl", ["full", "chunked", "fused"])
 @pytest.mark.parametrize("ckpt", ["none", "blocks", "every_other"])
 def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_impl, ckpt):
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def test_activation_estimate_matches_what_the_forward_keeps(attn, dtype, loss_im
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_impl,ckpt", [("full", "none"), ("chunked", "none"), ("chunked", "every_other"),
-                                            ("chunked", "blocks")])
+                                            ("chunked", "blocks"), ("fused", "none")])
 def test_training_estimate_is_on_the_safe_side(dtype, loss_impl, ckpt):
     """The estimate, less the parameters and AdamW state (not made by a step), is at least the measured
     peak of forward + backward and not wildly above it."""
