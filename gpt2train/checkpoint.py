@@ -309,7 +309,7 @@ def say_extension(cfg, ckpt, out_dir):
     planned = ckpt.get("config", {}).get("max_steps")
     if not isinstance(planned, int):
         return
-    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    branch = optim.cooldown_start(cfg, planned)
     path = checkpoint_path(out_dir, branch) if branch is not None else None
     path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
     note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
@@ -326,7 +326,7 @@ def kept_branches(cfg, ckpt):
     planned = ckpt.get("config", {}).get("max_steps")
     old = None
     if isinstance(planned, int):
-        old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+        old = optim.cooldown_start(cfg, planned)
     kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
     return tuple(sorted(kept - {optim.cooldown_start(cfg)}))
 
