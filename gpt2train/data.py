@@ -492,22 +492,21 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text",
-            resume=None):
+def prepare(cfg, out_dir, seq_len, rows, build=True, resume=None):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each
     split checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint
     resumed from, when the text changed), the quickstart corpus (data_source="python"), or data_dir
-    as it is."""
-    if data:
-        cache = own_text_dir(data, out_dir)
+    as it is. cfg: the config's data keys (data, data_dir, data_source, text_column)."""
+    if cfg.data:
+        cache = own_text_dir(cfg.data, out_dir)
         if build:
-            prepare_own_text(data, cache, seq_len, rows, text_column, resume)
+            prepare_own_text(cfg.data, cache, seq_len, rows, cfg.text_column, resume)
         return cache
-    if build and data_source == "python":
-        prepare_python_corpus(data_dir)
-    if os.path.isdir(data_dir):
-        check_shards(data_dir)  # every rank: the shards it will read, against the manifest
-    return data_dir
+    if build and cfg.data_source == "python":
+        prepare_python_corpus(cfg.data_dir)
+    if os.path.isdir(cfg.data_dir):
+        check_shards(cfg.data_dir)  # every rank: the shards it will read, against the manifest
+    return cfg.data_dir
 
 
 def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
@@ -517,8 +516,7 @@ def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
     resume = None
     if ckpt is not None and isinstance(ckpt.get("loader"), dict):
         resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]}
-    data_dir = prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
-                       build=env.master, text_column=cfg.text_column, resume=resume)
+    data_dir = prepare(cfg, out_dir, T, env.world_size * B, build=env.master, resume=resume)
     for split in ("train", "val"):
         shard_paths(data_dir, split)  # (one line if not)
     return data_dir
