@@ -23,6 +23,7 @@ Inside training: load_examples() once at start-up, then evaluate(model, examples
 hellaswag_interval steps (DDP ranks split the examples and all_reduce the counts).
 """
 import bisect
+import dataclasses
 import json
 import os
 import shutil
@@ -321,10 +322,21 @@ def is_compiled(model):
     return hasattr(model, "_orig_mod")  # torch.compile's wrapper; only its forward() is compiled
 
 
-def batch_losses(model, idx, row_id, pos, tgt, counts, packing=None):
-    """Summed and mean ending losses per row (R,) for one padded batch: the token predicted at
-    idx[seq_id, pos] (seq_id is row_id unless packed) counts for row row_id. Packed batches pass
-    packing=(seq_id, pos_ids, attn_mask) from collate_packed."""
+@dataclasses.dataclass(frozen=True)
+class ScoredTokens:
+    """The ending tokens a batch scores, (N,) each: the row (an ending) each counts for, the
+    position that predicts it, the token; and counts (R,), the scored tokens of each row."""
+    row_id: torch.Tensor
+    pos: torch.Tensor
+    tgt: torch.Tensor
+    counts: torch.Tensor
+
+
+def batch_losses(model, idx, scored, packing=None):
+    """Summed and mean ending losses per row (R,) for one padded batch idx: the token predicted at
+    idx[seq_id, pos] (seq_id is row_id unless packed) counts for row row_id (scored: ScoredTokens).
+    Packed batches pass packing=(seq_id, pos_ids, attn_mask) from collate_packed."""
+    row_id, pos, tgt, counts = scored.row_id, scored.pos, scored.tgt, scored.counts
     seq_id, pos_ids, attn_mask = packing or (row_id, None, None)
     # the compiled forward's full logits (one fixed shape), then the positions needed
     if is_compiled(model):
@@ -426,8 +438,8 @@ def score_batch(model, batch, is_packed, shapes, plan):
         idx, row_id, pos, tgt, counts, cut = collate(batch, block_size, rows_shape)
         packing = None
     with precision.autocast(plan):
-        summed, mean = batch_losses(model, to(idx), to(row_id), to(pos), to(tgt),
-                                    to(counts), packing)  # (R,), (R,)
+        scored = ScoredTokens(to(row_id), to(pos), to(tgt), to(counts))
+        summed, mean = batch_losses(model, to(idx), scored, packing)  # (R,), (R,)
     E = len(batch)
     pred = summed[:4 * E].view(E, 4).argmin(dim=1).tolist()
     pred_norm = mean[:4 * E].view(E, 4).argmin(dim=1).tolist()

@@ -29,14 +29,14 @@ from gpt2train.tokenizer import EOT, get_encoding
 # sampling
 
 
-def generate_tokens(model, prompt_ids, max_new_tokens, temperature, top_k, generator, plan):
+def generate_tokens(model, prompt_ids, max_new_tokens, plan, **sampling):
     """Yield the new token ids one at a time, <|endoftext|> included (and last) if the model emits
-    it. One GPT.generate step per token with the same generator: the very tokens of one long
-    generate call."""
+    it. sampling: GPT.generate's temperature, top_k and generator. One GPT.generate step per token
+    with the same generator: the very tokens of one long generate call."""
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=plan.device)  # (1, T)
     for _ in range(max_new_tokens):
         with precision.autocast(plan):
-            idx = model.generate(idx, 1, temperature=temperature, top_k=top_k, generator=generator)
+            idx = model.generate(idx, 1, **sampling)
         token = idx[0, -1].item()
         yield token
         if token == EOT:
@@ -91,8 +91,9 @@ def main(argv=None):
     num_samples = samples_to_print(args)
     for i in range(num_samples):
         sys.stdout.write(text)
-        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, args.temperature,
-                                 args.top_k or None, generator, plan)
+        tokens = generate_tokens(model, prompt_ids, args.max_new_tokens, plan,
+                                 temperature=args.temperature, top_k=args.top_k or None,
+                                 generator=generator)
         for piece in stream_text(enc, (t for t in tokens if t != EOT)):
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -103,8 +103,8 @@ def run(scale, kind, lr, muon_lr):
     if s["corpus"] == "bytes":
         train, val = ByteCorpus("train", s["B"], s["T"]), ByteCorpus("val", 8, s["T"])
     else:
-        train = data.TokenLoader(DATA_DIR, "train", s["B"], s["T"], seed=SEED)
-        val = data.TokenLoader(DATA_DIR, "val", 8, s["T"], shuffle=False)
+        train = data.TokenLoader(DATA_DIR, "train", s["B"], s["T"], data.Sampling(seed=SEED))
+        val = data.TokenLoader(DATA_DIR, "val", 8, s["T"], data.Sampling(shuffle=False))
     tokens_per_step = s["B"] * s["T"]
     curve, train_losses, step_ms, opt_ms = [[0, val_loss(model, val, s["val_rows"])]], [], [], []
     scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())

@@ -4,7 +4,8 @@ what a checkpoint changes on resume, and the lock that keeps one live run per ou
 
     lock = OutDirLock(); lock.acquire(out_dir)   # a second live run on out_dir: one line, exit 2
     ckpt, overrides = resume_overrides(out_dir, cfg, given)  # what to continue from, what it fixes
-    save_checkpoint(path, raw_model, optimizers, scaler, loader, device, step=step, config=config)
+    state = TrainState(raw_model, optimizers, scaler, loader, device)
+    save_checkpoint(path, state, step=step, config=config)
     restore(ckpt, raw_model, optimizers, scaler, loader, device)  # what it continues from, put back
 
 Checkpoints hold plain tensors/dicts/numbers only, so torch.load(weights_only=True) reads them; the
@@ -309,7 +310,7 @@ def say_extension(cfg, ckpt, out_dir):
     planned = ckpt.get("config", {}).get("max_steps")
     if not isinstance(planned, int):
         return
-    branch = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+    branch = optim.cooldown_start(cfg, planned)
     path = checkpoint_path(out_dir, branch) if branch is not None else None
     path = path if path and branch < ckpt["step"] and os.path.exists(path) else None
     note = optim.extension_note(cfg, planned, ckpt["step"], ckpt["path"], path)
@@ -326,7 +327,7 @@ def kept_branches(cfg, ckpt):
     planned = ckpt.get("config", {}).get("max_steps")
     old = None
     if isinstance(planned, int):
-        old = optim.cooldown_start(dataclasses.replace(cfg, max_steps=planned))
+        old = optim.cooldown_start(cfg, planned)
     kept = {*ckpt.get("kept", ()), *([old] if old is not None else [])}
     return tuple(sorted(kept - {optim.cooldown_start(cfg)}))
 
@@ -391,9 +392,9 @@ def save_run(run, step, progress, evals_done=True):
                        f"{progress.newest or 'none'}); {remedy(cfg)}")
     t = time.time()
     path = checkpoint_path(cfg.out_dir, step)
-    save_checkpoint(path, run.raw_model, run.optimizers, run.scaler, run.train_loader,
-                    run.plan.device, step=step, config=dataclasses.asdict(cfg),
-                    evals_done=evals_done, guard=progress.guard.state_dict(), kept=list(run.kept))
+    state = TrainState(run.raw_model, run.optimizers, run.scaler, run.train_loader, run.plan.device)
+    save_checkpoint(path, state, step=step, config=dataclasses.asdict(cfg), evals_done=evals_done,
+                    guard=progress.guard.state_dict(), kept=list(run.kept))
     if run.env.master:
         prune_checkpoints(cfg.out_dir, step, cfg.keep_last, keep=(branch, *run.kept))
         note = BRANCH_NOTE if step == branch and step < cfg.max_steps else ""
@@ -422,22 +423,35 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, raw_model, optimizers, scaler, loader, device, *, step, config, **extra):
-    """Write the checkpoint of step to path: every rank calls it (under FSDP the full state is
-    gathered from all of them), rank 0 writes. config: the run's resolved config (a dict). extra:
-    the loop's own state (whether the evals at this step ran, the skip guard's history)."""
-    model_state, optimizer_state = full_state(raw_model, optimizers)  # full CPU tensors on rank 0
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """The live state a checkpoint saves: the model, its optimizers, the loss scaler, the data
+    position, and the device whose RNG goes with them."""
+    raw_model: object  # the GPT itself (FSDP-sharded in place when fsdp)
+    optimizers: list  # AdamW, or AdamW + Muon
+    scaler: object  # torch.amp.GradScaler (a no-op but for fp16)
+    loader: object  # the train TokenLoader
+    device: str
+
+
+def save_checkpoint(path, state, *, step, config, **extra):
+    """Write the checkpoint of step to path from state (a TrainState): every rank calls it (under
+    FSDP the full state is gathered from all of them), rank 0 writes. config: the run's resolved
+    config (a dict). extra: the loop's own state (whether the evals at this step ran, the skip
+    guard's history)."""
+    # full CPU tensors on rank 0
+    model_state, optimizer_state = full_state(state.raw_model, state.optimizers)
     if rank() != 0:
         return
     ckpt = {
         "model": model_state,  # keyed as the bare module's state_dict(): no _orig_mod. prefixes
-        "model_args": dataclasses.asdict(raw_model.config),
+        "model_args": dataclasses.asdict(state.raw_model.config),
         "optimizer": optimizer_state,  # keyed by parameter name, FSDP or not; AdamW's and Muon's
-        "scaler": scaler.state_dict(),
+        "scaler": state.scaler.state_dict(),
         "step": step,  # optimizer steps done
         "config": config,
-        "loader": loader.state_dict(),
-        "rng": rng_state(device),
+        "loader": state.loader.state_dict(),
+        "rng": rng_state(state.device),
         **extra,
     }
     with replacing(path) as tmp, open(tmp, "wb") as f:  # never half a checkpoint under its name

@@ -3,7 +3,7 @@ Token shards to (B, T) batches for the trainer, and the shards it makes for itse
 (`--data=...`) and the quickstart's corpus, both tokenized by fineweb.py.
 
     from gpt2train.data import TokenLoader
-    loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, seed=1337)
+    loader = TokenLoader("edu_fineweb10B", "train", B=64, T=1024, sampling=Sampling(seed=1337))
     x, y = loader.next_batch()  # (B, T) int64 inputs, and their targets: the same rows one token on
 
     python train_gpt2.py configs/quickstart.py --data=my_book.txt  # or a folder, a glob, .jsonl
@@ -13,6 +13,7 @@ Shards are fineweb.py's 1-D uint16 .npy files, memory-mapped; a split is the fil
 """
 import bisect
 import contextlib
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -120,6 +121,17 @@ def load_shard(path):
     return shard
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Which rows a TokenLoader reads and in what order (torch's DistributedSampler's rank,
+    num_replicas, shuffle, seed): rank r of world_size reads the r-th B rows of every
+    world_size * B; the rows come in an order drawn from seed when shuffle, else in file order."""
+    rank: int = 0
+    world_size: int = 1
+    shuffle: bool = True
+    seed: int = 0
+
+
 class TokenLoader:
     """(B, T) batches from the shards of one split.
 
@@ -136,22 +148,21 @@ class TokenLoader:
     state is (epoch, pos) only; rows, not B*T windows, are the unit so that the micro-batch size and
     the number of ranks may change without changing which tokens a step sees."""
 
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, vocab_size=None, shuffle=True,
-                 seed=0):
-        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+    def __init__(self, data_dir, split, B, T, sampling=Sampling(), vocab_size=None):
+        self.B, self.T, self.rank, self.world_size = B, T, sampling.rank, sampling.world_size
         self.vocab_size = vocab_size
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed = sampling.shuffle, sampling.seed
         self.paths = shard_paths(data_dir, split)
         # memory-mapped: pages in on demand; one line if corrupt
         self.shards = [load_shard(p) for p in self.paths]
         self.n_tokens = sum(len(s) for s in self.shards)
         self.rows = [max(0, (len(s) - 1) // T) for s in self.shards]  # rows in each shard
         self.n_rows = sum(self.rows)
-        if self.n_rows < B * world_size:
+        if self.n_rows < B * self.world_size:
             raise UserError(f"the {split} split in {data_dir!r} has {self.n_tokens} tokens, fewer "
-                            "than one micro-batch "
-                            f"needs ({B} rows of {T} + 1 tokens, x {world_size} rank(s)): prepare "
-                            "more data or lower micro_batch_size/seq_len")
+                            f"than one micro-batch needs ({B} rows of {T} + 1 tokens, x "
+                            f"{self.world_size} rank(s)): prepare more data or lower "
+                            "micro_batch_size/seq_len")
         # at start-up, never in the loop: the manifest's maxima, else one scan a shard
         if vocab_size is not None:
             maxima = shard_maxima(data_dir)
@@ -492,22 +503,21 @@ def prepare_python_corpus(data_dir):
 # -----------------------------------------------------------------------------
 
 
-def prepare(data, data_dir, data_source, out_dir, seq_len, rows, build=True, text_column="text",
-            resume=None):
+def prepare(cfg, out_dir, seq_len, rows, build=True, resume=None):
     """The shard folder the trainer reads, made first when build (rank 0 only): --data's cache (each
     split checked to hold `rows` rows of seq_len + 1 tokens; never rewritten under the checkpoint
     resumed from, when the text changed), the quickstart corpus (data_source="python"), or data_dir
-    as it is."""
-    if data:
-        cache = own_text_dir(data, out_dir)
+    as it is. cfg: the config's data keys (data, data_dir, data_source, text_column)."""
+    if cfg.data:
+        cache = own_text_dir(cfg.data, out_dir)
         if build:
-            prepare_own_text(data, cache, seq_len, rows, text_column, resume)
+            prepare_own_text(cfg.data, cache, seq_len, rows, cfg.text_column, resume)
         return cache
-    if build and data_source == "python":
-        prepare_python_corpus(data_dir)
-    if os.path.isdir(data_dir):
-        check_shards(data_dir)  # every rank: the shards it will read, against the manifest
-    return data_dir
+    if build and cfg.data_source == "python":
+        prepare_python_corpus(cfg.data_dir)
+    if os.path.isdir(cfg.data_dir):
+        check_shards(cfg.data_dir)  # every rank: the shards it will read, against the manifest
+    return cfg.data_dir
 
 
 def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
@@ -517,8 +527,7 @@ def prepare_run_data(cfg, out_dir, B, T, env, ckpt=None):
     resume = None
     if ckpt is not None and isinstance(ckpt.get("loader"), dict):
         resume = {"path": ckpt["path"], "step": ckpt["step"], "loader": ckpt["loader"]}
-    data_dir = prepare(cfg.data, cfg.data_dir, cfg.data_source, out_dir, T, env.world_size * B,
-                       build=env.master, text_column=cfg.text_column, resume=resume)
+    data_dir = prepare(cfg, out_dir, T, env.world_size * B, build=env.master, resume=resume)
     for split in ("train", "val"):
         shard_paths(data_dir, split)  # (one line if not)
     return data_dir
@@ -529,10 +538,11 @@ def make_loaders(cfg, data_dir, B, T, env, vocab_size):
     val_steps is capped to the val split, said in one line, so that no row counts twice (a mistyped
     --val_steps=100000 read the split over and over)."""
     world = env.world_size
-    train = TokenLoader(data_dir, "train", B, T, env.rank, world, vocab_size, cfg.shuffle, cfg.seed)
+    train = TokenLoader(data_dir, "train", B, T, Sampling(env.rank, world, cfg.shuffle, cfg.seed),
+                        vocab_size)
     if cfg.eval_interval == 0:
         return train, None, cfg.val_steps
-    val = TokenLoader(data_dir, "val", B, T, env.rank, world, vocab_size, shuffle=False)
+    val = TokenLoader(data_dir, "val", B, T, Sampling(env.rank, world, shuffle=False), vocab_size)
     rows, most = cfg.val_steps * B * world, max(1, val.n_rows // (B * world))
     if cfg.val_steps > most:
         print0(f"note: val_steps={cfg.val_steps} asks for {rows:,} rows of {T} + 1 tokens, the val "

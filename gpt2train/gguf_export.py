@@ -68,12 +68,10 @@ def gguf_tensors(gguf, model, n_vocab):
     return out
 
 
-def add_metadata(writer, gguf, model, tokens, merges, ftype, name):
+def add_metadata(writer, gguf, model, tokens, merges):
     """llama.cpp's gpt2 hyperparameters and GPT-2's tokenizer (tokens, merges, types, BOS/EOS
     ids)."""
     c = model.config
-    writer.add_name(name)
-    writer.add_file_type(ftype)
     writer.add_context_length(c.block_size)
     writer.add_embedding_length(c.n_embd)
     writer.add_block_count(c.n_layer)
@@ -110,7 +108,9 @@ def write_gguf(model, path, type_name="f16", name=None):
     with replacing(path) as tmp:
         writer = gguf.GGUFWriter(tmp, "gpt2")
         try:
-            add_metadata(writer, gguf, model, tokens, merges, ftype, name)
+            writer.add_name(name)
+            writer.add_file_type(ftype)
+            add_metadata(writer, gguf, model, tokens, merges)
             for tname, array in gguf_tensors(gguf, model, len(tokens)):
                 ttype = tensor_type(gguf, tname, array, qtype)
                 # q8_0: uint8 (rows, 34 bytes per 32 values)

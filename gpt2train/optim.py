@@ -320,28 +320,31 @@ def build_optimizers(model, optimizer="adamw", device_type="cpu", ns_dtype=torch
 # the schedule: one multiplier of every optimizer's base lr
 
 
-def lr_multiplier(step, cfg):
+def lr_multiplier(step, cfg, max_steps=None):
     """Linear warmup to 1 over warmup_steps, then down to min_lr / max_lr at max_steps by
     cfg.lr_schedule: cosine (build-nanogpt's), linear, or wsd (flat, then linear over the last
-    cooldown_frac of the run)."""
+    cooldown_frac of the run). max_steps: the run's planned length (None: cfg.max_steps)."""
+    max_steps = cfg.max_steps if max_steps is None else max_steps
     if not cfg.max_lr:
         return 0.0
     if step < cfg.warmup_steps:
         lr = cfg.max_lr * (step + 1) / cfg.warmup_steps
-    elif step >= cfg.max_steps:
+    elif step >= max_steps:
         lr = cfg.min_lr
     else:
-        lr = cfg.min_lr + decay_fraction(step, cfg) * (cfg.max_lr - cfg.min_lr)
+        lr = cfg.min_lr + decay_fraction(step, cfg, max_steps) * (cfg.max_lr - cfg.min_lr)
     return lr / cfg.max_lr  # as a ratio of max_lr, in the exact floats of build-nanogpt's get_lr
 
 
-def cooldown_start(cfg):
-    """lr_schedule=wsd: the cooldown's first step (before it the lr is flat at max_lr, whatever
-    max_steps is: a checkpoint from before it continues with a larger max_steps exactly as a run
-    planned that long); else None."""
+def cooldown_start(cfg, max_steps=None):
+    """lr_schedule=wsd: the cooldown's first step of a run planned for max_steps (None:
+    cfg.max_steps); else None. Before it the lr is flat at max_lr, whatever max_steps is: a
+    checkpoint from before it continues with a larger max_steps exactly as a run planned that
+    long."""
     if cfg.lr_schedule != "wsd":
         return None
-    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_frac * cfg.max_steps))
+    max_steps = cfg.max_steps if max_steps is None else max_steps
+    return max(cfg.warmup_steps, max_steps - round(cfg.cooldown_frac * max_steps))
 
 
 def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
@@ -355,8 +358,7 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
     None when max_steps did not grow."""
     if cfg.max_steps <= planned or step < 1 or not cfg.max_lr:
         return None
-    old = dataclasses.replace(cfg, max_steps=planned)
-    before, after = lr_multiplier(step - 1, old), lr_multiplier(step, cfg)
+    before, after = lr_multiplier(step - 1, cfg, planned), lr_multiplier(step, cfg)
     last, now = before * cfg.max_lr, after * cfg.max_lr
     muon = ""
     if cfg.optimizer == "muon":
@@ -382,12 +384,12 @@ def extension_note(cfg, planned, step, ckpt_path, branch_path=None):
             "'Extending a run')")
 
 
-def decay_fraction(step, cfg):
+def decay_fraction(step, cfg, max_steps):
     """How much of max_lr - min_lr is left at step (warmup_steps <= step < max_steps): 1 -> 0."""
     if cfg.lr_schedule == "wsd":
-        start = cooldown_start(cfg)
-        return 1.0 if step < start else (cfg.max_steps - step) / (cfg.max_steps - start)
-    ratio = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
+        start = cooldown_start(cfg, max_steps)
+        return 1.0 if step < start else (max_steps - step) / (max_steps - start)
+    ratio = (step - cfg.warmup_steps) / (max_steps - cfg.warmup_steps)  # 0 -> 1
     return 0.5 * (1.0 + math.cos(math.pi * ratio)) if cfg.lr_schedule == "cosine" else 1.0 - ratio
 
 

@@ -54,7 +54,7 @@ def saved(data_dir, tmp_path_factory):
     cfg, _ = parse_args(tiny_args(data_dir, str(out)))
     model, optimizer, loader = trained_model(data_dir)
     path = checkpoint.checkpoint_path(str(out), 8)
-    checkpoint.save_checkpoint(path, model, [optimizer], NO_SCALER, loader, "cpu", step=8,
+    checkpoint.save_checkpoint(path, checkpoint.TrainState(model, [optimizer], NO_SCALER, loader, "cpu"), step=8,
                                config=dataclasses.asdict(cfg))
     return path
 
@@ -98,8 +98,8 @@ def test_checkpoint_write_is_atomic(saved, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch, "save", dying_save)
     loader = TokenLoader(ckpt["config"]["data_dir"], "train", 2, 16)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save_checkpoint(path, model, [optimizer], torch.amp.GradScaler("cpu", enabled=False),
-                                   loader, "cpu", step=9, config=dataclasses.asdict(Config()))
+        state = checkpoint.TrainState(model, [optimizer], torch.amp.GradScaler("cpu", enabled=False), loader, "cpu")
+        checkpoint.save_checkpoint(path, state, step=9, config=dataclasses.asdict(Config()))
     monkeypatch.undo()
     assert torch.equal(load_ckpt(path)["model"]["lm_head.weight"], ckpt["model"]["lm_head.weight"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt"]  # the temp file is gone

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpt2train import data
-from gpt2train.data import TokenLoader
+from gpt2train.data import Sampling, TokenLoader
 from conftest import one_line
 from gpt2train.fileio import UserError
 from gpt2train.tokenizer import EOT, get_encoding
@@ -51,7 +51,7 @@ def read_rows(loader):
 
 def global_order(data_dir, B, world_size, calls, **kw):
     """The rows W ranks read in `calls` steps, in the order of the global sequence (step, rank, row)."""
-    loaders = [TokenLoader(data_dir, "train", B, T, r, world_size, **kw) for r in range(world_size)]
+    loaders = [TokenLoader(data_dir, "train", B, T, Sampling(r, world_size, **kw)) for r in range(world_size)]
     return [row for _ in range(calls) for loader in loaders for row in read_rows(loader)]
 
 
@@ -94,9 +94,9 @@ def test_ranks_share_the_single_process_order(shards, world_size):
     """W ranks x B rows: disjoint shares whose union, step by step, is what one process reads with
     W*B rows, or with B rows over W micro-steps (the same global batch)."""
     B, steps = 2, 12
-    loaders = [TokenLoader(shards, "train", B, T, r, world_size, seed=3) for r in range(world_size)]
-    one_big = TokenLoader(shards, "train", B * world_size, T, seed=3)
-    one_small = TokenLoader(shards, "train", B, T, seed=3)
+    loaders = [TokenLoader(shards, "train", B, T, Sampling(r, world_size, seed=3)) for r in range(world_size)]
+    one_big = TokenLoader(shards, "train", B * world_size, T, Sampling(seed=3))
+    one_small = TokenLoader(shards, "train", B, T, Sampling(seed=3))
     for _ in range(steps):
         per_rank = [read_rows(loader) for loader in loaders]
         union = [row for rows in per_rank for row in rows]
@@ -106,19 +106,19 @@ def test_ranks_share_the_single_process_order(shards, world_size):
 
 def test_resume_mid_epoch_is_bit_exact(shards):
     n = len(all_rows())
-    a = TokenLoader(shards, "train", 3, T, 1, 2, seed=11)
+    a = TokenLoader(shards, "train", 3, T, Sampling(1, 2, seed=11))
     for _ in range(5):  # 30 of the 50 rows: mid-epoch
         a.next_batch()
     state = a.state_dict()
     assert (state["epoch"], state["pos"]) == (0, 30)
-    b = TokenLoader(shards, "train", 3, T, 1, 2, seed=11)
+    b = TokenLoader(shards, "train", 3, T, Sampling(1, 2, seed=11))
     b.load_state_dict(state)
     for _ in range(2 * n):  # on through several epoch boundaries
         xa, ya = a.next_batch()
         xb, yb = b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     # the state counts rows, so another split of the same global batch continues the same sequence
-    c = [TokenLoader(shards, "train", 1, T, r, 6, seed=11) for r in range(6)]
+    c = [TokenLoader(shards, "train", 1, T, Sampling(r, 6, seed=11)) for r in range(6)]
     ref = global_order(shards, 3, 2, 5, seed=11)
     for loader in c:
         loader.load_state_dict(state)
@@ -127,19 +127,19 @@ def test_resume_mid_epoch_is_bit_exact(shards):
 
 
 def test_state_from_other_data_or_order_is_refused(shards):
-    state = TokenLoader(shards, "train", 2, T, seed=1).state_dict()
+    state = TokenLoader(shards, "train", 2, T, Sampling(seed=1)).state_dict()
     with pytest.raises(UserError, match="seed=1, this run 2"):
-        TokenLoader(shards, "train", 2, T, seed=2).load_state_dict(state)
+        TokenLoader(shards, "train", 2, T, Sampling(seed=2)).load_state_dict(state)
     with pytest.raises(UserError, match="seq_len=4, this run 5"):
-        TokenLoader(shards, "train", 2, 5, seed=1).load_state_dict(state)
+        TokenLoader(shards, "train", 2, 5, Sampling(seed=1)).load_state_dict(state)
     os.remove(os.path.join(shards, "edufineweb_train_000004.npy"))
     with pytest.raises(UserError, match=r"\(the checkpoint's train split: 5 shard\(s\), 215 tokens; this run's: "
                                         r"4 shard\(s\), 151 tokens; not here: edufineweb_train_000004.npy\): resume"):
-        TokenLoader(shards, "train", 2, T, seed=1).load_state_dict(state)
+        TokenLoader(shards, "train", 2, T, Sampling(seed=1)).load_state_dict(state)
 
 
 def test_val_split_is_sequential_and_reset(shards):
-    loader = TokenLoader(shards, "val", 2, 5, shuffle=False)
+    loader = TokenLoader(shards, "val", 2, 5, Sampling(shuffle=False))
     first = loader.next_batch()
     assert first[0].tolist() == [[1000, 1001, 1002, 1003, 1004], [1005, 1006, 1007, 1008, 1009]]
     loader.next_batch()
@@ -158,14 +158,14 @@ def test_too_little_data(shards):
         TokenLoader(shards, "val", 10, 10)  # 9 rows of 11 tokens in 100
     TokenLoader(shards, "val", 9, 10)
     with pytest.raises(UserError, match="fewer than one micro-batch"):
-        TokenLoader(shards, "val", 5, 10, world_size=2)
+        TokenLoader(shards, "val", 5, 10, Sampling(world_size=2))
 
 
 def test_tokens_beyond_vocab_checked_at_start_up(shards):
     """Before the first batch (issue 31: the scan ran inside the training loop, ~0.1-2 s a shard on first use)."""
     with pytest.raises(UserError, match="edufineweb_train_000002.npy holds token id 86 but vocab_size is 64"):
-        TokenLoader(shards, "train", 2, T, vocab_size=64, shuffle=False)
-    TokenLoader(shards, "train", 2, T, vocab_size=sum(SIZES), shuffle=False)  # (the toy shards count 0, 1, ...)
+        TokenLoader(shards, "train", 2, T, Sampling(shuffle=False), vocab_size=64)
+    TokenLoader(shards, "train", 2, T, Sampling(shuffle=False), vocab_size=sum(SIZES))  # (toy shards count 0, 1, ...)
 
 # -----------------------------------------------------------------------------
 # --data: your own text, tokenized once into a cache
@@ -183,7 +183,7 @@ def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
     data.prepare_own_text(str(book), cache, 32, rows=4)
     assert "tokenizing 1 file(s)" in capsys.readouterr().out
     stream = np.array([EOT] + get_encoding().encode_ordinary(BOOK), dtype=np.uint16)
-    val, train = TokenLoader(cache, "val", 4, 32, shuffle=False), TokenLoader(cache, "train", 4, 32)
+    val, train = TokenLoader(cache, "val", 4, 32, Sampling(shuffle=False)), TokenLoader(cache, "train", 4, 32)
     assert val.n_tokens + train.n_tokens == len(stream)
     assert val.n_tokens == math.ceil(0.1 * len(stream))  # a short text: 10% val (32K tokens, within 1% .. 10%)
     assert val.n_rows >= 4 and len(val.paths) == len(train.paths) == 1  # one chunk: val its head
@@ -197,7 +197,7 @@ def test_own_text_cache_is_made_reused_and_rebuilt(tmp_path, capsys):
     os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))
     data.prepare_own_text(str(book), cache, 32, rows=4)
     assert "tokenizing" in capsys.readouterr().out
-    loader = TokenLoader(cache, "train", 4, 32, shuffle=False)
+    loader = TokenLoader(cache, "train", 4, 32, Sampling(shuffle=False))
     text = get_encoding().decode(np.concatenate([s for s in loader.shards]).tolist())
     assert "calm" in text and "stormy" not in text
 
@@ -281,7 +281,7 @@ def test_a_text_too_small_for_the_run_leaves_nothing_behind(tmp_path):
         data.prepare_own_text(str(book), cache, 128, rows=8)
     assert os.listdir(tmp_path) == ["short.txt"]  # no cache, no temp, no folders made for it
     data.prepare_own_text(str(book), cache, 16, rows=8)  # 10 val rows of 17
-    assert TokenLoader(cache, "val", 8, 16, shuffle=False).n_rows == 10
+    assert TokenLoader(cache, "val", 8, 16, Sampling(shuffle=False)).n_rows == 10
     stale = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache)}
     book.write_text(BOOK[:5000])  # changed, and now too small for this run: the old cache stays as it was
     os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))
@@ -363,7 +363,7 @@ def test_text_column_is_an_option_of_the_trainer(tmp_path, monkeypatch, capsys):
     for name in ("book.parquet", "book.jsonl"):
         assert main([f"--data={name}", "--text_column=body", f"--out_dir=out/{name}", *small]) == 0
         cache = json.load(open(os.path.join("out", name, "config.json")))["resolved"]["data_dir"]
-        loader = TokenLoader(cache, "train", 2, 32, shuffle=False)
+        loader = TokenLoader(cache, "train", 2, 32, Sampling(shuffle=False))
         text = get_encoding().decode(np.concatenate(loader.shards).tolist())
         assert "stormy" in text and "not this" not in text
 

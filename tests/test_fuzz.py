@@ -25,7 +25,7 @@ from gpt2train import shards
 from gpt2train import config
 import hellaswag
 from conftest import write_shards
-from gpt2train.data import TokenLoader
+from gpt2train.data import Sampling, TokenLoader
 from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
 from gpt2train.checkpoint import read_checkpoint
@@ -151,7 +151,7 @@ def test_shard_is_loaded_or_refused(data, good_shards, tmp_path_factory):
     d = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
     with open(os.path.join(d, "toy_val_000000.npy"), "wb") as f:
         f.write(data)
-    loader = accepted_or_user_error(TokenLoader, d, "val", 2, 16, 0, 1, 64)
+    loader = accepted_or_user_error(TokenLoader, d, "val", 2, 16, Sampling(), 64)
     if loader is not None:
         for _ in range(3):
             if accepted_or_user_error(loader.next_batch) is None:

@@ -133,7 +133,7 @@ def assert_greedy_equals_sample_py(ours, hf, n=16):
     enc, seen = get_encoding(), set()
     for p in PROMPTS:
         ids = enc.encode_ordinary(p)
-        mine = list(sample.generate_tokens(ours, ids, n, 0.0, None, None, cpu_plan(torch.float32)))
+        mine = list(sample.generate_tokens(ours, ids, n, cpu_plan(torch.float32), temperature=0.0))
         theirs = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=EOT,
                              pad_token_id=EOT)[0, len(ids):].tolist()
         assert theirs == mine, p

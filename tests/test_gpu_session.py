@@ -36,7 +36,7 @@ def test_stdlib_corpus_val_split_fits_seq_len_1024(stdlib_corpus):
     assert sum((n - 1) // 1024 for n in tokens["val"]) >= 8  # several rows of 1024 + 1 tokens (10 on Python 3.11)
     assert all((n - 1) // 1024 >= 2 for n in tokens["val"][:-1])  # the head of every full chunk (the last is the rest)
     assert 0.002 < sum(tokens["val"]) / sum(tokens["train"]) < 0.003  # 0.25% val, as before: the train split as big
-    x, y = data.TokenLoader(stdlib_corpus, "val", 8, 1024, shuffle=False).next_batch()
+    x, y = data.TokenLoader(stdlib_corpus, "val", 8, 1024, data.Sampling(shuffle=False)).next_batch()
     assert x.shape == y.shape == (8, 1024) and torch.equal(x[:, 1:], y[:, :-1])
 
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hellaswag
-from hellaswag import (HellaSwagError, batch_losses, collate, collate_packed, evaluate, load_examples, pack_rows,
-                       packable, packed_len, rows_of, score_one)
+from hellaswag import (HellaSwagError, ScoredTokens, batch_losses, collate, collate_packed, evaluate, load_examples,
+                       pack_rows, packable, packed_len, rows_of, score_one)
 from conftest import make_rows, save_ckpt, write_rows
 from gpt2train.fileio import UserError
 from model import GPT, GPTConfig
@@ -69,7 +69,7 @@ def test_batched_equals_loop_and_hf(hf_dir, model, examples):
     idx, row_id, pos, tgt, counts, cut = collate(examples, block_size=128)
     assert cut == 0 and idx.shape[0] == 36
     with torch.no_grad():
-        b_sum, b_mean = batch_losses(model, idx, row_id, pos, tgt, counts)
+        b_sum, b_mean = batch_losses(model, idx, ScoredTokens(row_id, pos, tgt, counts))
     assert torch.allclose(b_sum.view(9, 4), ref_sum, atol=1e-3)
     assert torch.allclose(b_mean.view(9, 4), ref_mean, atol=1e-4)
     # predictions through evaluate, batches that do not divide 9, sorted by length
@@ -94,7 +94,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = collate_packed([[ex] for ex in examples])
     assert idx.shape == (9, max(hellaswag.packed_len(ex) for ex in examples))  # one row per example, padded
     with torch.no_grad():
-        p_sum, p_mean = batch_losses(model, idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask))
+        p_sum, p_mean = batch_losses(model, idx, ScoredTokens(row_id, pos, tgt, counts), (seq_id, pos_ids, attn_mask))
     assert torch.allclose(p_sum.view(9, 4), ref_sum, atol=1e-3)
     assert torch.allclose(p_mean.view(9, 4), ref_mean, atol=1e-4)
     loop = torch.stack([score_one(model, ex)[0] for ex in examples])  # (9, 4)
@@ -103,7 +103,7 @@ def test_packed_equals_loop_and_hf(hf_dir, model, examples, monkeypatch):
     naive = GPT(GPTConfig(**{**asdict(model.config), "attn_impl": "naive"})).eval()
     naive.load_state_dict(model.state_dict())
     with torch.no_grad():
-        naive_sum = batch_losses(naive, idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask))[0]
+        naive_sum = batch_losses(naive, idx, ScoredTokens(row_id, pos, tgt, counts), (seq_id, pos_ids, attn_mask))[0]
         assert torch.allclose(naive_sum, p_sum, atol=1e-4)
     # evaluate packs: one packed batch of 4 examples per forward (the last one short)
     calls = []
@@ -178,10 +178,11 @@ def test_too_long_to_pack_falls_back_to_rows(model, tmp_path, monkeypatch):
 def test_padding_does_not_change_scores(model, examples):
     batch = examples[:5]
     with torch.no_grad():
-        tight = batch_losses(model, *collate(batch, 128)[:5])
+        idx, *rest, _ = collate(batch, 128)
+        tight = batch_losses(model, idx, ScoredTokens(*rest))
         idx, *rest, _ = collate(batch, 128, shape=(32, 120))  # extra rows and columns of padding
         assert idx.shape == (32, 120)
-        padded = batch_losses(model, idx, *rest)
+        padded = batch_losses(model, idx, ScoredTokens(*rest))
     for a, b in zip(tight, padded):
         assert torch.allclose(a, b[:20], atol=1e-4)
         assert (a.view(5, 4).argmin(1) == b[:20].view(5, 4).argmin(1)).all()
@@ -328,7 +329,7 @@ def test_compiled_packed_scores_equal_eager(model, examples):
 def reorder(packed):
     """collate_packed's outputs in batch_losses' argument order."""
     idx, pos_ids, attn_mask, seq_id, pos, tgt, row_id, counts = packed
-    return idx, row_id, pos, tgt, counts, (seq_id, pos_ids, attn_mask)
+    return idx, ScoredTokens(row_id, pos, tgt, counts), (seq_id, pos_ids, attn_mask)
 
 
 def test_compiled_mixed_rows_compile_once_per_path(model, tmp_path):

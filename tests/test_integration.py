@@ -11,7 +11,7 @@ import fineweb
 import hellaswag
 from conftest import ROOT, load_ckpt, make_rows, read_log, write_rows
 from gpt2train.tokenizer import EOT, get_encoding
-from gpt2train.data import TokenLoader
+from gpt2train.data import Sampling, TokenLoader
 from train_gpt2 import main
 
 DOCS = [f"Document {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (5 + i % 7)) for i in range(40)]
@@ -44,7 +44,7 @@ def test_trainer_reads_fineweb_shards_and_hellaswag_agrees(tmp_path):
     enc = get_encoding()
     stream = np.concatenate([[EOT] + enc.encode_ordinary(d) for d in DOCS])
     # the loader's train split is the stream after the first (val) shard, token for token, across shards
-    loader = TokenLoader(data, "train", 2, 32, shuffle=False)
+    loader = TokenLoader(data, "train", 2, 32, Sampling(shuffle=False))
     x, y = loader.next_batch()
     assert x.flatten().tolist() == stream[500:564].tolist() and y.flatten().tolist() == stream[501:565].tolist()
     assert loader.n_tokens == len(stream) - 500 and len(loader.paths) >= 2

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import aten_outside_compiled, has_input_of, read_log, tiny_args, write_shards
 from gpt2train import memory, optim, precision
-from gpt2train.data import TokenLoader
+from gpt2train.data import Sampling, TokenLoader
 from model import GPT, GPTConfig
 from train_gpt2 import main
 
@@ -33,7 +33,7 @@ VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::detach", "aten::ali
 
 
 def loader(data_dir):
-    return TokenLoader(data_dir, "train", B, T, 0, 1, V, shuffle=False)
+    return TokenLoader(data_dir, "train", B, T, Sampling(shuffle=False), vocab_size=V)
 
 
 def trainer_model(plan, impl):

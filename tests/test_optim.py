@@ -612,6 +612,20 @@ def test_each_schedule_is_its_shape(kind):
         assert optim.lr_multiplier(69, cfg) == 1.0 and optim.lr_multiplier(85, cfg) == pytest.approx(0.55)
 
 
+@pytest.mark.parametrize("kind", optim.SCHEDULES)
+def test_the_schedule_of_a_planned_length_is_that_runs(kind):
+    """A resume asks the schedule of its checkpoint's planned max_steps (issue 45 item 5): the same numbers as a
+    config planned that long, and its own when asked of none."""
+    cfg = Config(lr_schedule=kind, max_lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=200, cooldown_frac=0.3)
+    planned = Config(lr_schedule=kind, max_lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, cooldown_frac=0.3)
+    for step in range(0, 120):
+        assert optim.lr_multiplier(step, cfg, 100) == optim.lr_multiplier(step, planned), step
+        assert optim.lr_multiplier(step, cfg, 100) == pytest.approx(reference_schedule(step, kind), rel=1e-12), step
+        assert optim.lr_multiplier(step, cfg, None) == optim.lr_multiplier(step, cfg), step
+    assert optim.cooldown_start(cfg, 100) == optim.cooldown_start(planned) == (70 if kind == "wsd" else None)
+    assert optim.cooldown_start(cfg) == (140 if kind == "wsd" else None)
+
+
 def test_the_configs_optimizer_defaults_are_optims():
     """A script that builds optimizers without a Config (bench.py, dev/muon_counts.py) gets the trainer's Muon."""
     c = Config()

@@ -50,7 +50,7 @@ def test_greedy_equals_hf_generate(hf_random, capsys):
     assert "note: --temperature 0 is greedy decoding, the same text every time: printing 1 sample, not 2" in err
     model = GPT.load(hf_random)
     plan = precision.make_plan("cpu", "fp32")
-    ours = list(sample.generate_tokens(model, prompt, 30, 0.0, None, None, plan))
+    ours = list(sample.generate_tokens(model, prompt, 30, plan, temperature=0.0))
     assert ours == ref
 
 
@@ -78,12 +78,12 @@ def test_eot_ends_a_sample_and_starts_an_empty_prompt():
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.zero_()  # every logit 0: argmax is token 0 ...
     plan = precision.make_plan("cpu", "fp32")
-    assert list(sample.generate_tokens(model, [EOT], 5, 0.0, None, None, plan)) == [0] * 5
+    assert list(sample.generate_tokens(model, [EOT], 5, plan, temperature=0.0)) == [0] * 5
     with torch.no_grad():
         model.transformer.ln_f.bias.fill_(1.0)
         model.lm_head.weight.zero_()
         model.lm_head.weight[EOT] = 1.0  # ... now <|endoftext|> wins: the sample stops there
-    assert list(sample.generate_tokens(model, [EOT], 5, 0.0, None, None, plan)) == [EOT]
+    assert list(sample.generate_tokens(model, [EOT], 5, plan, temperature=0.0)) == [EOT]
 
 
 def test_stream_pieces_join_to_the_decoded_text():
