@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from conftest import (ROOT, aten_outside_compiled, has_input_of, one_line, step_losses, tiny_args,  # noqa: E402
                       write_shards)
 from gpt2train import loss, loss_kernels, memory, optim, precision  # noqa: E402
-from gpt2train.data import TokenLoader  # noqa: E402
+from gpt2train.data import Sampling, TokenLoader  # noqa: E402
 from gpt2train.fileio import UserError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train_gpt2 import main  # noqa: E402
@@ -182,7 +182,7 @@ CONFIG = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=16)
 
 
 def loader(data_dir):
-    return TokenLoader(data_dir, "train", B, T, 0, 1, V, shuffle=False)
+    return TokenLoader(data_dir, "train", B, T, Sampling(shuffle=False), vocab_size=V)
 
 
 @pytest.fixture(scope="module")
