@@ -209,6 +209,12 @@ def check_value(key, value):
     return value
 
 
+def shown(text):
+    """What the user typed, in a message: as it is, or quoted where it holds a line break or another
+    unprintable character (a message is one line)."""
+    return text if text.isprintable() else repr(text)
+
+
 def parse_value(key, text):
     """A --key=value string as the key's type."""
     t = FIELDS[key].type
@@ -223,7 +229,7 @@ def parse_value(key, text):
             return words[text.lower()]
         return t(text)
     except (KeyError, ValueError):
-        raise UserError(f"--{key}={text} is not {kind(key)} "
+        raise UserError(f"--{key}={shown(text)} is not {kind(key)} "
                         f"(default: {FIELDS[key].default!r})") from None
 
 
@@ -240,7 +246,8 @@ def read_config_file(path):
         with open(path) as f:
             exec(compile(f.read(), path, "exec"), ns)
     except Exception as e:
-        raise UserError(f"config file {path!r} does not run: {type(e).__name__}: {e}") from None
+        why = " ".join(str(e).splitlines())  # (the user's code may raise a message of lines)
+        raise UserError(f"config file {path!r} does not run: {type(e).__name__}: {why}") from None
     return {k: v for k, v in ns.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
@@ -252,7 +259,7 @@ def parse_args(argv):
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
-                raise UserError(f"{arg}: options are written --key=value")
+                raise UserError(f"{shown(arg)}: options are written --key=value")
             key, text = arg[2:].split("=", 1)
             check_key(key)
             items, source = {key: parse_value(key, text)}, "cli"
