@@ -96,7 +96,7 @@ def test_hung_peer_ends_the_others_within_dist_timeout(tmp_path):
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
         line = "error: rank 0: a peer did not answer within dist_timeout"
-        wait_for(lambda: line in run.logs(tail=100000), 5 + 25, "rank 0's line")
+        wait_for(lambda: line in run.logs(tail=100000), 60, "rank 0's line")  # ~5 s idle: dist_timeout
         assert time.monotonic() - stopped >= 4  # it did wait for the peer, about dist_timeout
         wait_for(lambda: gone(workers[0]), 15, "rank 0's exit")  # torchrun then stops the frozen rank (30 s grace)
         assert "exitcode  : 1" in run.logs(tail=100000) or run.procs[0].poll() is None  # rank 0 failed, not 0
@@ -149,9 +149,9 @@ def test_a_node_that_cannot_start_stops_every_node_with_its_reason(tmp_path):
     with LaunchedTree([launcher(port, tiny_args(data, str(tmp_path / "out"), **args)),
                    launcher(port, tiny_args(str(tmp_path / "not_here"), str(tmp_path / "out"), **args))],
                   tmp_path, env=torchrun_env()) as run:
-        run.wait(timeout=120)
+        run.wait(timeout=300)
         node0, node1 = (open(os.path.join(tmp_path, f"proc{i}.log")).read() for i in (0, 1))
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 300  # ~12 s idle; a rank waiting for the node that is gone: dist_timeout, 600
     errors0 = [line for line in node0.splitlines() if line.startswith("error:")]
     errors1 = [line for line in node1.splitlines() if line.startswith("error:")]
     assert errors0 == ["error: stopped: another rank failed at start-up; its error is in its output"], node0
