@@ -523,6 +523,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    fail_on_unexpected_skips(session)
     left = strays()
     for pid in left:
         _left.setdefault(pid, ("the session", command_line(pid)))
@@ -535,13 +536,51 @@ def pytest_sessionfinish(session, exitstatus):
     if _left:
         lines = [f"error: {len(_left)} process(es) left running by the tests, ended by conftest.py's guard:"]
         lines += [f"  pid {pid} after {test}: {cmd}" for pid, (test, cmd) in _left.items()]
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.line("")  # after the progress line
-            for line in lines:
-                reporter.write_line(line, red=True)
-        else:
-            print("\n".join(lines), file=sys.stderr)
+        report_lines(session, lines)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def report_lines(session, lines):
+    """Lines in red after pytest's progress line (on stderr without a terminal reporter)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.line("")  # after the progress line
+        for line in lines:
+            reporter.write_line(line, red=True)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+
+# -----------------------------------------------------------------------------
+# skips: in CI (CI_NO_SKIPS=1, which .ci/run sets) a test skipped outside the GPU module fails the run: an
+# importorskip whose package failed to install would otherwise pass unseen (pytest.ini's -rfEs lists them)
+
+EXPECTED_SKIPS = {os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cuda.py")}  # no GPU here
+_skipped = []  # the node id of every skip
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a module that skips itself (importorskip or pytest.skip at module level)
+        _skipped.append(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):  # (an xfail reports as skipped: not one)
+        _skipped.append(report.nodeid)
+
+
+def unexpected_skips(rootpath):
+    """The skipped node ids outside EXPECTED_SKIPS' modules, when CI asks for none; else []."""
+    if os.environ.get("CI_NO_SKIPS") != "1":
+        return []
+    return [n for n in _skipped if os.path.abspath(os.path.join(rootpath, n.split("::")[0])) not in EXPECTED_SKIPS]
+
+
+def fail_on_unexpected_skips(session):
+    skips = unexpected_skips(str(session.config.rootpath))
+    if skips:
+        report_lines(session, [f"error: {len(skips)} skipped outside the GPU module (test_cuda.py), where CI "
+                               "expects none: install what they need (pip install -r requirements-dev.txt)"]
+                     + [f"  skipped: {n}" for n in skips])
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
