@@ -227,6 +227,41 @@ def straight(data_dir, tmp_path_factory):
     return out
 
 
+# 4 AdamW steps of a 2-layer model: 1 rank x 4 micro-steps of 2 x 16 = 2 ranks x 2 micro-steps (DDP's no_sync
+# path, FSDP's sharded state); checkpoints at 2 and 4. val: 4 batches in one process = 2 a rank on 2 ranks.
+TWO_RANK_STEPS = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2,
+                      max_lr=1e-3, min_lr=1e-4)
+
+
+@pytest.fixture(scope="session")
+def one_process(data_dir, tmp_path_factory):
+    """TWO_RANK_STEPS in one process: the reference every 2-rank run of them (DDP on two nodes, FSDP) is compared
+    with (assert_same_run), paid for once a session. Read, never written."""
+    import train_gpt2
+    out = str(tmp_path_factory.mktemp("one_process"))
+    assert train_gpt2.main(tiny_args(data_dir, out, **TWO_RANK_STEPS, val_steps=4)) == 0
+    return out
+
+
+def assert_same_run(a_dir, b_dir, steps, final_step=4):
+    """b_dir's run logged the given steps with a_dir's losses and ended with its weights and AdamW state (by
+    parameter name), each within 1e-5."""
+    a, b = step_losses(a_dir), step_losses(b_dir)
+    assert sorted(b) == steps
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in steps), (a, b)
+    wa = load_ckpt(os.path.join(a_dir, f"ckpt_{final_step:06d}.pt"))
+    wb = load_ckpt(os.path.join(b_dir, f"ckpt_{final_step:06d}.pt"))
+    assert set(wa["model"]) == set(wb["model"])  # the plain state_dict's keys, whichever run wrote it
+    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-5
+    sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
+    assert set(sa) == set(sb) and all(isinstance(k, str) for k in sa)  # by parameter name
+    assert max((sa[k][n] - sb[k][n]).abs().max().item() for k in sa for n in ("exp_avg", "exp_avg_sq")) <= 1e-5
+
+
+def val_losses(out_dir):
+    return [e["val_loss"] for e in read_log(out_dir) if "val_loss" in e]
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """DOCS as text files (their paths): fineweb.py's input."""
