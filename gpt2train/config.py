@@ -218,9 +218,10 @@ def check_value(key, value):
     return value
 
 
-def flag_text(value):
-    """A value as it is written after --key= (true, not True)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
+def typed(text):
+    """What the user typed, in a message: as it is, or quoted where it holds a line break or another
+    unprintable character (a message is one line)."""
+    return text if text.isprintable() else repr(text)
 
 
 def parse_value(key, text, now=None):
@@ -240,8 +241,8 @@ def parse_value(key, text, now=None):
     except (KeyError, ValueError):
         value, source = now or (FIELDS[key].default, None)
         in_force = {None: "default: ", "cli": f"before it: --{key}="}.get(source, f"{source} sets ")
-        raise UserError(f"--{key}={text} is not {kind(key)} ({in_force}"
-                        f"{flag_text(value)})") from None
+        raise UserError(f"--{key}={typed(text)} is not {kind(key)} ({in_force}"
+                        f"{shown(value)})") from None
 
 
 def read_config_file(path):
@@ -257,7 +258,8 @@ def read_config_file(path):
         with open(path) as f:
             exec(compile(f.read(), path, "exec"), ns)
     except Exception as e:
-        raise UserError(f"config file {path!r} does not run: {type(e).__name__}: {e}") from None
+        why = " ".join(str(e).splitlines())  # (the user's code may raise a message of lines)
+        raise UserError(f"config file {path!r} does not run: {type(e).__name__}: {why}") from None
     return {k: v for k, v in ns.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
@@ -269,7 +271,7 @@ def parse_args(argv):
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
-                raise UserError(f"{arg}: options are written --key=value")
+                raise UserError(f"{typed(arg)}: options are written --key=value")
             key, text = arg[2:].split("=", 1)
             check_key(key)
             now = (values[key], given[key]) if key in values else None  # the value in force

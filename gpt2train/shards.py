@@ -335,7 +335,7 @@ def load_manifest(out_dir):
 def is_shard_entry(s):
     """Whether s is a manifest's shard entry: {"name": a file name, "tokens", "sha256",
     "next": [doc, offset]}."""
-    return (isinstance(s, dict) and isinstance(s.get("name"), str)
+    return (isinstance(s, dict) and isinstance(s.get("name"), str) and s["name"].isprintable()
             and s["name"] == os.path.basename(s["name"]) != ""
             and type(s.get("tokens")) is int and isinstance(s.get("sha256"), str)
             and isinstance(s.get("next"), list)

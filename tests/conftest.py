@@ -231,6 +231,41 @@ def straight(data_dir, tmp_path_factory):
     return out
 
 
+# 4 AdamW steps of a 2-layer model: 1 rank x 4 micro-steps of 2 x 16 = 2 ranks x 2 micro-steps (DDP's no_sync
+# path, FSDP's sharded state); checkpoints at 2 and 4. val: 4 batches in one process = 2 a rank on 2 ranks.
+TWO_RANK_STEPS = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2,
+                      max_lr=1e-3, min_lr=1e-4)
+
+
+@pytest.fixture(scope="session")
+def one_process(data_dir, tmp_path_factory):
+    """TWO_RANK_STEPS in one process: the reference every 2-rank run of them (DDP on two nodes, FSDP) is compared
+    with (assert_same_run), paid for once a session. Read, never written."""
+    import train_gpt2
+    out = str(tmp_path_factory.mktemp("one_process"))
+    assert train_gpt2.main(tiny_args(data_dir, out, **TWO_RANK_STEPS, val_steps=4)) == 0
+    return out
+
+
+def assert_same_run(a_dir, b_dir, steps, final_step=4):
+    """b_dir's run logged the given steps with a_dir's losses and ended with its weights and AdamW state (by
+    parameter name), each within 1e-5."""
+    a, b = step_losses(a_dir), step_losses(b_dir)
+    assert sorted(b) == steps
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in steps), (a, b)
+    wa = load_ckpt(os.path.join(a_dir, f"ckpt_{final_step:06d}.pt"))
+    wb = load_ckpt(os.path.join(b_dir, f"ckpt_{final_step:06d}.pt"))
+    assert set(wa["model"]) == set(wb["model"])  # the plain state_dict's keys, whichever run wrote it
+    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-5
+    sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
+    assert set(sa) == set(sb) and all(isinstance(k, str) for k in sa)  # by parameter name
+    assert max((sa[k][n] - sb[k][n]).abs().max().item() for k in sa for n in ("exp_avg", "exp_avg_sq")) <= 1e-5
+
+
+def val_losses(out_dir):
+    return [e["val_loss"] for e in read_log(out_dir) if "val_loss" in e]
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """DOCS as text files (their paths): fineweb.py's input."""
@@ -527,6 +562,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    fail_on_unexpected_skips(session)
     left = strays()
     for pid in left:
         _left.setdefault(pid, ("the session", command_line(pid)))
@@ -539,13 +575,51 @@ def pytest_sessionfinish(session, exitstatus):
     if _left:
         lines = [f"error: {len(_left)} process(es) left running by the tests, ended by conftest.py's guard:"]
         lines += [f"  pid {pid} after {test}: {cmd}" for pid, (test, cmd) in _left.items()]
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.line("")  # after the progress line
-            for line in lines:
-                reporter.write_line(line, red=True)
-        else:
-            print("\n".join(lines), file=sys.stderr)
+        report_lines(session, lines)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def report_lines(session, lines):
+    """Lines in red after pytest's progress line (on stderr without a terminal reporter)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.line("")  # after the progress line
+        for line in lines:
+            reporter.write_line(line, red=True)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+
+# -----------------------------------------------------------------------------
+# skips: in CI (CI_NO_SKIPS=1, which .ci/run sets) a test skipped outside the GPU module fails the run: an
+# importorskip whose package failed to install would otherwise pass unseen (pytest.ini's -rfEs lists them)
+
+EXPECTED_SKIPS = {os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cuda.py")}  # no GPU here
+_skipped = []  # the node id of every skip
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a module that skips itself (importorskip or pytest.skip at module level)
+        _skipped.append(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):  # (an xfail reports as skipped: not one)
+        _skipped.append(report.nodeid)
+
+
+def unexpected_skips(rootpath):
+    """The skipped node ids outside EXPECTED_SKIPS' modules, when CI asks for none; else []."""
+    if os.environ.get("CI_NO_SKIPS") != "1":
+        return []
+    return [n for n in _skipped if os.path.abspath(os.path.join(rootpath, n.split("::")[0])) not in EXPECTED_SKIPS]
+
+
+def fail_on_unexpected_skips(session):
+    skips = unexpected_skips(str(session.config.rootpath))
+    if skips:
+        report_lines(session, [f"error: {len(skips)} skipped outside the GPU module (test_cuda.py), where CI "
+                               "expects none: install what they need (pip install -r requirements-dev.txt)"]
+                     + [f"  skipped: {n}" for n in skips])
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

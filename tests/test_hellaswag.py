@@ -257,7 +257,8 @@ def test_cli_hf_dir_matches_checkpoint(hf_dir, model, examples, tmp_path):
     outs = []
     for name in (hf_dir, ckpt):
         out = tmp_path / f"{len(outs)}.json"
-        hellaswag.main(["--model", name, "--data", data, "--limit", "7", "--batch_size", "4", "--json", str(out)])
+        assert hellaswag.main(["--model", name, "--data", data, "--limit", "7", "--batch_size", "4",
+                               "--json", str(out)]) == 0
         outs.append(json.loads(out.read_text()))
     assert outs[0] == outs[1] and outs[0]["n"] == 7
     loop = [score_one(model, ex) for ex in examples[:7]]
@@ -358,9 +359,24 @@ def test_inductor_compiled_packed_equals_eager(model, examples):
     torch._dynamo.reset()
 
 
+def linear_output_dtypes(model, run):
+    """The dtypes every nn.Linear of model (each block's four and lm_head) output while run() ran, and its result."""
+    dtypes = set()
+    hooks = [m.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        return dtypes, run()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_bf16_autocast_runs_and_mostly_agrees(model, examples):
-    ref = evaluate(model, examples, plan=CPU)
-    res = evaluate(model, examples, plan=make_plan("cpu", "bf16"))
+    """The bf16 plan runs every matmul in bf16 (its linear layers output bf16, fp32's fp32), and bf16's rounding
+    changes few predictions."""
+    fp32, ref = linear_output_dtypes(model, lambda: evaluate(model, examples, plan=CPU))
+    bf16, res = linear_output_dtypes(model, lambda: evaluate(model, examples, plan=make_plan("cpu", "bf16")))
+    assert fp32 == {torch.float32} and bf16 == {torch.bfloat16}, (fp32, bf16)
     assert res["n"] == 9
     same = sum(a["pred"] == b["pred"] for a, b in zip(ref["examples"], res["examples"]))
     assert same >= 7  # bf16 rounding may flip near-ties of a random model, not most predictions

@@ -8,10 +8,10 @@ import json
 import os
 import re
 import sys
-import time
 import types
 
 import pytest
+import tqdm.std
 
 from gpt2train import logger
 from gpt2train import precision
@@ -161,11 +161,14 @@ def test_fmt_duration(seconds, text):
     (True, True, 1, True, False),  # one micro-step: nothing to count
 ])
 def test_micro_step_bar(terminal, master, grad_accum, slow, shown, monkeypatch):
-    monkeypatch.setattr(logger, "PROGRESS_DELAY", 0.2)
+    """On tqdm's clock, patched (a busy machine cannot stretch a fast step past the delay): a micro-step takes
+    1.5 s when slow, none otherwise; the bar shows once a step has run PROGRESS_DELAY (5 s)."""
+    now = 1000.0
+    monkeypatch.setattr(tqdm.std, "time", lambda: now)  # read by each bar (its _time) from its start
     stream = Terminal() if terminal else io.StringIO()
     with logger.micro_step_bar(grad_accum, master, stream) as bar:
         for _ in range(grad_accum):
-            time.sleep(0.1 if slow else 0)
+            now += 1.5 if slow else 0
             bar.update()
     assert ("micro-steps" in stream.getvalue()) == shown
 

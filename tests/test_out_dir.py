@@ -7,7 +7,9 @@ The trainer runs in subprocesses (the tiny CPU shapes of test_train), each ended
 
     python -m pytest -q tests/test_out_dir.py
 """
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import resource
@@ -220,15 +222,29 @@ def test_another_configs_run_on_the_same_text_goes_to_its_own_out_dir(data_dir, 
         f"for a new run ({finetune} sets it)" in line, line
 
 
-def test_a_bigger_seq_len_run_leaves_the_val_split_as_the_text_made_it(tmp_path):
+OWN_TEXT = ["--vocab_size=50304", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+            "--total_batch_size=64", "--max_steps=1", "--eval_interval=1", "--val_steps=1", "--hellaswag_interval=0",
+            "--sample_interval=0"]  # micro_batch_size left at its default (64)
+
+
+@pytest.fixture(scope="module")
+def own_text_run(tmp_path_factory):
+    """One trainer run on a small text of one's own at seq_len 16 (tests/test_data.py checks the cache's split
+    without a trainer): (its folder, holding notes.txt and out/, with out/data_cache; out_dir; what it printed)."""
+    tmp = tmp_path_factory.mktemp("own_text")
+    text, out, printed = book(tmp / "notes.txt"), tmp / "out" / "small", io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train_gpt2.main([*OWN_TEXT, "--seq_len=16", f"--data={text}", f"--out_dir={out}"]) == 0
+    return tmp, out, printed.getvalue()
+
+
+def test_a_bigger_seq_len_run_leaves_the_val_split_as_the_text_made_it(own_text_run, tmp_path):
     """The issue's case: one run at a larger seq_len re-split the cached text (34% val) and later runs reused it.
-    Two trainer runs on one --data, at seq_len 16 then 32: the cache (its val split) is byte-identical after the
-    second, and the split is the text's own (10% of a small text)."""
-    text = book(tmp_path / "notes.txt")
-    common = ["--vocab_size=50304", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--max_steps=2",
-              "--micro_batch_size=2", "--total_batch_size=64", "--eval_interval=2", "--val_steps=1",
-              "--hellaswag_interval=0", "--sample_interval=0", "--checkpoint_interval=0", f"--data={text}"]
-    assert train_gpt2.main([*common, "--seq_len=16", f"--out_dir={tmp_path / 'out' / 'a'}"]) == 0
+    After own_text_run's at seq_len 16 (its cache copied here, beside a new out_dir), a trainer run on the same
+    --data at seq_len 32: the cache (its val split) is byte-identical after it, and the split is the text's own
+    (10% of a small text)."""
+    tmp, _, _ = own_text_run
+    shutil.copytree(tmp / "out" / "data_cache", tmp_path / "out" / "data_cache")
     caches = os.listdir(tmp_path / "out" / "data_cache")
     assert len(caches) == 1
     cache = tmp_path / "out" / "data_cache" / caches[0]
@@ -236,21 +252,17 @@ def test_a_bigger_seq_len_run_leaves_the_val_split_as_the_text_made_it(tmp_path)
     manifest = json.load(open(cache / "manifest.json"))
     tokens = {s: sum(x["tokens"] for x in manifest["shards"] if x["split"] == s) for s in ("train", "val")}
     assert tokens["val"] == pytest.approx(0.1 * (tokens["train"] + tokens["val"]), rel=0.02)  # the text's own
-    assert train_gpt2.main([*common, "--seq_len=32", f"--out_dir={tmp_path / 'out' / 'b'}"]) == 0
+    out = tmp_path / "out" / "b"
+    assert train_gpt2.main([*OWN_TEXT, "--seq_len=32", f"--data={tmp / 'notes.txt'}", f"--out_dir={out}"]) == 0
     assert files(cache) == made  # not re-split, not rewritten
-    assert json.load(open(tmp_path / "out" / "b" / "config.json"))["resolved"]["data_dir"] == str(cache)
+    assert json.load(open(out / "config.json"))["resolved"]["data_dir"] == str(cache)
 
 
-def test_the_data_is_checked_for_the_micro_batch_the_run_chose(tmp_path, capsys):
+def test_the_data_is_checked_for_the_micro_batch_the_run_chose(own_text_run):
     """micro_batch_size left at its default (64) becomes 4, the largest that divides total_batch_size=64 tokens of
     seq_len 16: a small text whose val split holds ~19 rows trains, checked for 4 rows, not refused for 64."""
-    text = book(tmp_path / "notes.txt")
-    out = tmp_path / "out" / "small"
-    assert train_gpt2.main(["--vocab_size=50304", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
-                            "--seq_len=16", "--total_batch_size=64", "--max_steps=1", "--eval_interval=1",
-                            "--val_steps=1", "--hellaswag_interval=0", "--sample_interval=0", f"--data={text}",
-                            f"--out_dir={out}"]) == 0
-    assert "micro_batch_size=4: the largest up to 64" in capsys.readouterr().out
+    _, out, printed = own_text_run
+    assert "micro_batch_size=4: the largest up to 64" in printed
     resolved = json.load(open(out / "config.json"))["resolved"]
     manifest = json.load(open(os.path.join(resolved["data_dir"], "manifest.json")))
     val_tokens = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "val")

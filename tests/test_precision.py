@@ -178,6 +178,19 @@ def test_peak_flops_reads_each_cards_own_row(name, row):
     assert mfu is None if rate("bf16") is None else mfu == pytest.approx(1e9 * 100e3 / rate("bf16"))
 
 
+@pytest.mark.parametrize("name,dtype,tflops", [  # dense tensor-core peaks, from NVIDIA's datasheets
+    ("NVIDIA H100 80GB HBM3", BF16, 989.4),  # H100 SXM: 1,979 TFLOPS bf16 with sparsity, half of it dense
+    ("NVIDIA A100-SXM4-80GB", BF16, 312.0),  # A100: 312 TFLOPS bf16 (624 with sparsity)
+    ("NVIDIA A100-SXM4-80GB", FP32, 19.5),  # A100: 19.5 TFLOPS fp32 without tensor cores
+    ("Tesla V100-SXM2-16GB", FP16, 125.0),  # V100 SXM2: 125 TFLOPS tensor performance
+    ("Tesla T4", FP16, 65.0),  # T4: 65 TFLOPS mixed precision (fp16/fp32)
+])
+def test_peak_flops_of_known_cards_are_their_datasheets(name, dtype, tflops):
+    """Pinned here, not read from PEAK_TFLOPS: a wrong row (a sparse rate, another card's) fails, and MFU with it."""
+    assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+    assert estimate_mfu(1e9, 100e3, name, dtype) == pytest.approx(1e9 * 100e3 / (tflops * 1e12))
+
+
 # -----------------------------------------------------------------------------
 # compile: static shapes, and a failure is a warning, not a dead run
 

@@ -1,11 +1,14 @@
 """The README says what the code does: its first two commands set up and run the quickstart and the tests; CI runs
-that test command verbatim, and it collects tests/ only; its file map is the files on disk; it stays short (the long
-sections are pages under docs/) and every link in it and in docs/ leads somewhere. docs/training.md's key list is
-Config's, section by section."""
+that test command verbatim (a skip outside the GPU module fails it there), and it collects tests/ only; its file map
+is the files on disk; it stays short (the long sections are pages under docs/) and every link in it and in docs/
+leads somewhere. docs/training.md's key list is Config's, section by section."""
 import configparser
 import dataclasses
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 from gpt2train.config import Config, config_sections
 
@@ -59,6 +62,58 @@ def test_pytest_collects_tests_only():
     ini = configparser.ConfigParser()
     ini.read(os.path.join(ROOT, "pytest.ini"))
     assert ini["pytest"]["testpaths"].split() == ["tests"]
+
+
+def inner_pytest(folder, env):
+    """pytest over folder in a process of its own (rootdir: folder), ended by pid whatever happens: (exit code,
+    output)."""
+    from conftest import end_processes
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rootdir",
+                          str(folder), str(folder)], cwd=folder, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            end_processes([p.pid])
+            p.wait()
+    return p.returncode, out
+
+
+def test_ci_fails_on_a_skip_outside_the_gpu_module(tmp_path):
+    """An importorskip whose package failed to install is a skip, not a failure: pytest.ini lists skips (-rfEs) and
+    .ci/run sets CI_NO_SKIPS=1, under which conftest.py fails the run on a skip outside test_cuda.py (no GPU).
+    In pytests of their own with the real conftest.py: CI_NO_SKIPS=1 fails on a missing package's skip, naming
+    it alone (not test_cuda.py's skip, nor an xfail); without it, the same skips pass, listed."""
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(ROOT, "pytest.ini"))
+    assert "s" in re.search(r"-r(\w+)", ini["pytest"]["addopts"]).group(1)
+    ci = [line.strip() for line in read(".ci/run").splitlines()]
+    assert ci.index("export CI_NO_SKIPS=1") < len(ci) - 1  # before the README's test command, the last line
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:  # the real one, with the repository importable
+        (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\n" + f.read())
+    (tmp_path / "test_cuda.py").write_text("import pytest\npytest.skip('no CUDA GPU here', allow_module_level=True)\n")
+    (tmp_path / "test_other.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_passes():
+            pass
+
+        @pytest.mark.xfail(strict=True)
+        def test_xfails():
+            assert False
+
+        def test_needs_a_package():
+            pytest.importorskip("a_package_that_did_not_install")
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CI_NO_SKIPS"}
+    code, out = inner_pytest(tmp_path, dict(env, CI_NO_SKIPS="1"))
+    assert code == 1 and "1 passed, 2 skipped, 1 xfailed" in out, out
+    assert "error: 1 skipped outside the GPU module (test_cuda.py)" in out, out
+    assert "  skipped: test_other.py::test_needs_a_package" in out and "skipped: test_cuda.py" not in out, out
+    code, out = inner_pytest(tmp_path, env)
+    assert code == 0 and "SKIPPED [1] test_other.py" in out and "1 passed, 2 skipped, 1 xfailed" in out, out
+    assert "error" not in out, out
 
 
 # -----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Issue 33's keys through the trainer (lr_schedule, cooldown_frac, muon_split_qkv, muon_momentum_warmup,
 zero_init_proj, embed_lr_mult, scalar_lr_mult): each resumes bit-exact, mid-cooldown and mid-warmup too; all
-of them on, 2-rank DDP and FSDP2 (gloo, CPU) equal one process, fp16 + GradScaler runs, the export opens in
-transformers' text-generation pipeline; zero_init_proj never touches init_from's weights; every group's lr is
-its base_lr x optim.lr_multiplier(step), the one place an lr is computed. Their pieces: tests/test_optim.py.
+of them on, 2-rank DDP and FSDP2 (gloo, CPU) equal one process (the suite's Muon-on-2-ranks check), fp16 +
+GradScaler runs, the export opens in transformers' text-generation pipeline; zero_init_proj never touches
+init_from's weights; every group's lr is its base_lr x optim.lr_multiplier(step), the one place an lr is
+computed. Their pieces: tests/test_optim.py.
 
     python -m pytest -q tests/test_recipe_keys.py
 """
@@ -148,31 +149,35 @@ COMMON = dict(ALL, n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4
 
 
 @pytest.fixture(scope="module")
-def one_process(data_dir, tmp_path_factory):
+def all_one(data_dir, tmp_path_factory):
+    """COMMON (every key on) in one process: the reference of its 2-rank and fp16 runs."""
     out = str(tmp_path_factory.mktemp("all_one"))
     assert main(tiny_args(data_dir, out, **COMMON, val_steps=4)) == 0
     return out
 
 
 @pytest.mark.parametrize("fsdp", ["false", "true"])
-def test_all_keys_on_two_ranks_equal_one_process(fsdp, one_process, data_dir, tmp_path):
+def test_all_keys_on_two_ranks_equal_one_process(fsdp, all_one, data_dir, tmp_path):
+    """The suite's check that Muon on 2 ranks (DDP, FSDP2) equals one process, with every recipe key on."""
     out = str(tmp_path / "two")
     run_ranks(tiny_args(data_dir, out, **COMMON, val_steps=2, fsdp=fsdp), out)
-    a, b = step_losses(one_process), step_losses(out)
+    a, b = step_losses(all_one), step_losses(out)
     assert sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
-    wa, wb = (load_ckpt(os.path.join(d, "ckpt_000004.pt")) for d in (one_process, out))
-    w2 = load_ckpt(os.path.join(one_process, "ckpt_000002.pt"))["model"]
+    wa, wb = (load_ckpt(os.path.join(d, "ckpt_000004.pt")) for d in (all_one, out))
+    w2 = load_ckpt(os.path.join(all_one, "ckpt_000002.pt"))["model"]
     moved = max((wa["model"][k] - w2[k]).abs().max().item() for k in w2)  # steps 2 and 3's update
     assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-3 * moved
     sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
     assert set(sa) == set(sb) and max((sa[p][k] - sb[p][k]).abs().max().item() for p in sa for k in sa[p]
                                       if k != "step") <= 1e-5
+    matrices = [p for p in sa if "momentum_buffer" in sa[p]]  # Muon's: the blocks' 2 x 4 matrices
+    assert len(matrices) == 8 and all(wa["model"][p].ne(w2[p]).any() for p in matrices)  # moved in steps 2-3
 
 
-def test_all_keys_fp16_with_grad_scaler(one_process, data_dir, tmp_path):
+def test_all_keys_fp16_with_grad_scaler(all_one, data_dir, tmp_path):
     out = str(tmp_path / "fp16")
     assert main(tiny_args(data_dir, out, **COMMON, val_steps=4, precision="fp16")) == 0
-    a, b = step_losses(one_process), step_losses(out)
+    a, b = step_losses(all_one), step_losses(out)
     assert all(math.isfinite(v) for v in b.values()) and all(abs(a[s] - b[s]) < 0.05 for s in a), (a, b)
     ckpt = load_ckpt(os.path.join(out, "ckpt_000004.pt"))
     assert ckpt["scaler"]["scale"] > 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values())

@@ -1,7 +1,8 @@
-"""fsdp=true (FSDP2, 2 CPU ranks on gloo) against 1 process with the same global batch: same losses,
-same weights, with and without activation checkpointing; and checkpoints resumed across modes
-(an FSDP checkpoint without FSDP, a plain one under FSDP). The ranks are started here, one process
-each with torchrun's environment (127.0.0.1, a free port), and killed by pid on every path."""
+"""fsdp=true (FSDP2, 2 CPU ranks on gloo) against 1 process with the same global batch (conftest's one_process,
+shared with the two-node DDP run of test_multinode.py): same losses, same weights, with and without activation
+checkpointing; and checkpoints resumed across modes (an FSDP checkpoint without FSDP, a plain one under FSDP).
+The ranks are started here, one process each with torchrun's environment (127.0.0.1, a free port), and killed
+by pid on every path."""
 import os
 import shutil
 
@@ -10,39 +11,20 @@ import torch
 
 from gpt2train import memory
 from gpt2train import optim
-from conftest import load_ckpt, read_log, run_ranks, step_losses, tiny_args, write_shards
+from conftest import TWO_RANK_STEPS, assert_same_run, load_ckpt, run_ranks, step_losses, tiny_args, val_losses
 from model import GPT, GPTConfig
 from gpt2train.sharding import load_optimizer_state
 from train_gpt2 import main
 
-COMMON = dict(n_layer=2, max_steps=4, total_batch_size=128, eval_interval=4, checkpoint_interval=2, max_lr=1e-3,
-              min_lr=1e-4)  # 2 ranks x 2 micro-steps of 2 x 16 = 1 rank x 4 micro-steps
-ONE, TWO = dict(COMMON, val_steps=4), dict(COMMON, val_steps=2, fsdp="true")  # val: the same 4 batches
-
-
-def assert_same_run(a_dir, b_dir, steps, final_step=4):
-    a, b = step_losses(a_dir), step_losses(b_dir)
-    assert sorted(b) == steps
-    assert all(abs(a[s] - b[s]) <= 1e-5 for s in steps), (a, b)
-    wa = load_ckpt(os.path.join(a_dir, f"ckpt_{final_step:06d}.pt"))
-    wb = load_ckpt(os.path.join(b_dir, f"ckpt_{final_step:06d}.pt"))
-    assert set(wa["model"]) == set(wb["model"])  # the plain state_dict's keys, whichever run wrote it
-    assert max((wa["model"][k] - wb["model"][k]).abs().max().item() for k in wa["model"]) <= 1e-5
-    sa, sb = wa["optimizer"]["state"], wb["optimizer"]["state"]
-    assert set(sa) == set(sb) and all(isinstance(k, str) for k in sa)  # by parameter name
-    assert max((sa[k][n] - sb[k][n]).abs().max().item() for k in sa for n in ("exp_avg", "exp_avg_sq")) <= 1e-5
+ONE, TWO = dict(TWO_RANK_STEPS, val_steps=4), dict(TWO_RANK_STEPS, val_steps=2, fsdp="true")  # val: the same 4
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The 1-process reference (4 steps) and a 2-rank FSDP run of the same."""
-    tmp = tmp_path_factory.mktemp("fsdp")
-    data = write_shards(str(tmp / "data"))
-    one = str(tmp / "one")
-    assert main(tiny_args(data, one, **ONE)) == 0
-    fsdp = str(tmp / "fsdp")
-    out = run_ranks(tiny_args(data, fsdp, **TWO), fsdp)
-    return data, one, fsdp, out
+def runs(data_dir, one_process, tmp_path_factory):
+    """The 1-process reference (4 steps, conftest's) and a 2-rank FSDP run of the same."""
+    fsdp = str(tmp_path_factory.mktemp("fsdp"))
+    out = run_ranks(tiny_args(data_dir, fsdp, **TWO), fsdp)
+    return data_dir, one_process, fsdp, out
 
 
 def test_fsdp_two_ranks_match_one_process(runs):
@@ -53,8 +35,7 @@ def test_fsdp_two_ranks_match_one_process(runs):
     shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in model.parameters())  # rank 0's rows of each, fp32
     assert f"memory: per rank (FSDP over 2): params {memory.fmt_bytes(shard)}, grads {memory.fmt_bytes(shard)}, " in out
     assert_same_run(one, fsdp, [0, 1, 2, 3])
-    val_a = [e["val_loss"] for e in read_log(one) if "val_loss" in e]
-    val_b = [e["val_loss"] for e in read_log(fsdp) if "val_loss" in e]
+    val_a, val_b = val_losses(one), val_losses(fsdp)
     assert len(val_a) == len(val_b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(val_a, val_b))
 
 
