@@ -192,7 +192,7 @@ def test_the_trainer_says_a_failed_restart_in_one_line(tmp_path, monkeypatch, ca
     assert main(tiny_args(write_shards(str(tmp_path / "data")), str(tmp_path / "out"))) == 1
     line = one_line(capsys.readouterr().err)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and "connectFullMesh" in line
-    assert json.load(open(tmp_path / "error.json"))["message"] == line  # torchrun's summary shows it too
+    assert json.load(open(tmp_path / "error.json"))["message"]["message"] == line  # torchrun's summary shows it too
 
 # -----------------------------------------------------------------------------
 # the ranks together: 2 gloo processes
