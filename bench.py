@@ -16,7 +16,9 @@ a GradScaler on sm7x) -> +torch.compile -> +SDPA attention (vs the plain masked 
 50304 -> +fused AdamW -> the loss head the trainer runs (memory.choose_loss_impl: full logits inside
 the compiled graph where they fit, else the chunked head). Then options, each kept only if faster
 than the best row so far: the plan's other SDPA kernel orders, the chunked head (GPU), micro-batches
-16/32/64, compile mode max-autotune (GPU only). The core rungs
+16/32/64. No compile-mode rung: a mode is the trainer's compile_mode, each timed in its own process
+(dev/gpu_session.sh), since max-autotune's autotuning crashed a whole process on an H200
+(docs/benchmarks.md). The core rungs
 are timed last to first (the trainer's stack first: a run cut off keeps it), the table is in ladder
 order. Rungs that cannot apply on the device are printed as skipped, with the reason. Every row
 counts the host syncs of a step.
@@ -96,8 +98,8 @@ def rung_plan(device, settings):
 # -----------------------------------------------------------------------------
 # the speed ladder
 
-BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, compile_mode=None,
-                attn="naive", sdpa_backends=(), vocab=50257, fused=False, loss="full", ckpt="none")
+BASELINE = dict(tf32=False, dtype=torch.float32, scaler=False, compile=False, attn="naive",
+                sdpa_backends=(), vocab=50257, fused=False, loss="full", ckpt="none")
 MICRO_BATCHES = (16, 32, 64)  # the option rungs try the others than --micro_batch_size
 
 
@@ -105,9 +107,8 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
                  micro_batch=16):
     """The rungs in order: (name, settings it changes, skip reason or None, note, optional). The
     core rungs always stay on the ladder; the optional ones after them are kept only when faster
-    than the best so far (other attention kernel orders, other micro-batches, compile mode
-    max-autotune, last because every later rung would re-tune). Which rungs apply comes from the
-    precision plan; nothing here re-derives capability rules."""
+    than the best so far (other attention kernel orders, the chunked head, other micro-batches).
+    Which rungs apply comes from the precision plan; nothing here re-derives capability rules."""
     core = core_rungs(plan, device_type, capability, force_compile, fused_ok)
     rungs = [rung + (False,) for rung in core]
     gpu_only = None if device_type == "cuda" else f"a GPU option: not run on {device_type}"
@@ -126,11 +127,6 @@ def ladder_rungs(plan, device_type, capability=None, force_compile=False, fused_
         if b != micro_batch:
             rungs.append((f"micro-batch {b}", {"micro_batch": b}, gpu_only,
                           f"vs {micro_batch}, same seq_len", True))
-    compile_off = None
-    if not (plan.compile or force_compile):
-        compile_off = "needs the torch.compile rung, which is off here"
-    rungs.append(("compile max-autotune", {"compile_mode": "max-autotune"}, gpu_only or compile_off,
-                  "Triton GEMM autotuning and CUDA graphs; compiling takes minutes", True))
     return rungs
 
 
@@ -198,7 +194,7 @@ def build(settings, size, micro_batch, seq_len, plan, optimizer="adamw"):
                                             fused=settings["fused"])
     if plan.compile:
         torch._dynamo.reset()  # a fresh cache per rung: no recompile limit, no stale graphs
-    return raw, precision.compile_model(raw, plan, mode=settings.get("compile_mode")), optimizers
+    return raw, precision.compile_model(raw, plan), optimizers
 
 
 # torch.cuda.set_sync_debug_mode("warn")'s text
