@@ -605,8 +605,8 @@ def tf32_workspace(size, micro_batch, seq_len, device, steps=3):
     out = {}
     settings = dict(BASELINE, attn="sdpa", vocab=50304)
     for tf32 in (False, True):
-        _, _, peak, _ = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps,
-                                  device)
+        _, _, peak, *_ = time_rung({**settings, "tf32": tf32}, size, micro_batch, seq_len, 1, steps,
+                                   device)
         out[tf32] = peak
     precision.set_tf32(False)
     return out

@@ -306,6 +306,19 @@ def test_memory_report_on_cpu_separates_every_part():
     assert logits[1:3] == ["6.1", "MiB"] == logits[-2:]  # 2 x 16 x 50304 x 4 bytes
 
 
+def test_tf32_workspace_takes_the_peaks_of_time_rung(monkeypatch):
+    """--memory's TF32 line (CUDA only) reads the peaks out of time_rung's five results (it unpacked four: a
+    ValueError on every GPU)."""
+    seen = []
+
+    def fake_time_rung(settings, size, micro_batch, seq_len, warmup, steps, device):
+        seen.append(settings["tf32"])
+        return 1.0, 2.0, (10 + len(seen), 20 + len(seen)), 0, "full"
+
+    monkeypatch.setattr(bench, "time_rung", fake_time_rung)
+    assert bench.tf32_workspace("tiny", 2, 16, "cpu") == {False: (11, 21), True: (12, 22)} and seen == [False, True]
+
+
 # -----------------------------------------------------------------------------
 # what fits where: the table behind --fit
 
