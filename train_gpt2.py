@@ -147,14 +147,15 @@ def setup(cfg, given, env, lock):
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # first
     device = precision.resolve_device(cfg.device, env.local_rank)
     startup = distributed.init(env, device, cfg.dist_timeout)  # None without torchrun
-    plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan)
+    plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan, cfg.compile_mode)
     precision.set_tf32(plan.tf32)
     where = device
     if plan.capability:
         where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})"
     print0(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
-    if precision.cpu_note(plan):
-        print0(precision.cpu_note(plan))
+    for note in (precision.cpu_note(plan), precision.compile_mode_note(plan)):
+        if note:
+            print0(note)
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = checkpoint.resume_point(cfg, given, env, device, lock)
@@ -290,21 +291,26 @@ def compile_and_wrap(raw_model, timed, step, B, plan, env):
     """(the model evals run, the model that trains, the plan as it ran): compiled when the plan says
     so (timed: already compiled by the micro-batch finder), wrapped in DDP under torchrun (not FSDP:
     it reduce-scatters by itself), compiled now through the wrapper so dynamo splits at DDP's
-    buckets; any rank whose compiler fails makes every rank go on eagerly."""
+    buckets; any rank whose compiler fails makes every rank go on eagerly. The finder times the
+    default mode: under another compile_mode the model is compiled again, in that mode."""
     def wrap(m):
         if not env.ddp or step.fsdp:
             return m
         ids = [env.local_rank] if plan.device_type == "cuda" else None
         return DDP(m, device_ids=ids, gradient_as_bucket_view=True)  # grads live in the buckets
+    if timed is not None and plan.compile_mode != "default":
+        timed = None
+        torch._dynamo.reset()  # the finder's graphs were the default mode's
+    eager = dataclasses.replace(plan, compile=False, cudagraphs=False)  # the plan, uncompiled
     model = timed or precision.compile_model(raw_model, plan)
     if model is raw_model:
-        return raw_model, wrap(raw_model), dataclasses.replace(plan, compile=False)
+        return raw_model, wrap(raw_model), eager
     if timed is not None and env.ddp:
         torch._dynamo.reset()  # the finder's graphs were compiled outside DDP: compile through it
     train_model = wrap(model)
     ok = precision.compiles(train_model, B, step.seq_len, plan)
     if agree(float(ok), "min", plan.device) < 1:
-        return raw_model, wrap(raw_model), dataclasses.replace(plan, compile=False)
+        return raw_model, wrap(raw_model), eager
     return model, train_model, plan
 
 
@@ -371,7 +377,8 @@ def train(run, argv):
         outlier = progress.guard.is_outlier if cfg.skip_outliers_z > 0 else None
         stepped = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
             run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg),
-            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg))
+            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg),
+            keep_grads=run.plan.cudagraphs)
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
         asks = Asks.read(stepped.flags) if env.ddp else asks  # any rank's: all decide alike
         progress.clock_due = asks.clock_due

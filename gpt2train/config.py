@@ -126,6 +126,9 @@ class Config:
                              # sm7x/P100, else fp32
     compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true,
                            # false
+    compile_mode: str = "default"  # torch.compile's mode where the run compiles: default,
+                                   # reduce-overhead (CUDA graphs; CUDA only) or
+                                   # max-autotune-no-cudagraphs (kernels autotuned: minutes more)
     compile_cache_dir: str = "auto"  # torch.compile's caches: auto = <out_dir>/../.compile_cache,
                                      # "" = /tmp, a folder
     seed: int = 1337  # the run's random seed (initial weights, samples)
@@ -147,6 +150,7 @@ CHOICES = {
     "plan": ("auto", *precision.EMULATED_PLANS),
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
+    "compile_mode": precision.COMPILE_MODES,
     "activation_checkpointing": ("none", "blocks", "every_other"),
     "loss_impl": ("auto", *LOSS_IMPLS),
     "resume": ("false", "true", "auto"),
@@ -294,6 +298,10 @@ def validate(cfg):
                         f"{cfg.cooldown_frac:g} (0.2 is usual)")
     if cfg.muon_momentum >= 1:
         raise UserError(f"muon_momentum must be below 1, got {cfg.muon_momentum:g} (0.95 is usual)")
+    if cfg.fsdp and cfg.compile_mode == "reduce-overhead":
+        raise UserError("compile_mode=reduce-overhead replays CUDA graphs over fixed memory, but "
+                        "fsdp=true gathers the weights into fresh memory every step: use "
+                        "compile_mode=default with fsdp")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
     if os.path.isfile(cfg.out_dir):

@@ -447,8 +447,8 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1):
     timed = []  # the model the sizes are timed with: compiled once, at the first (largest) size
 
     def measure(b):
-        if not timed:
-            compiled = compile_model(model, plan)
+        if not timed:  # the default mode: CUDA graphs' pools would stay from size to size
+            compiled = compile_model(model, replace(plan, compile_mode="default", cudagraphs=False))
             ok = compiled is model or compiles(compiled, b, T, plan)
             timed.append(compiled if agree(float(ok), "min", plan.device) == 1.0 else model)
         used, seconds = peak(timed[0], b, steps=4)

@@ -82,6 +82,19 @@ def test_fp16_run_on_cpu(data_dir, straight, tmp_path):
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
+def test_a_compile_mode_that_changes_nothing_here_says_so(data_dir, straight, tmp_path, capsys):
+    """compile_mode=reduce-overhead where nothing compiles (CPU, eager): accepted, one note says it changes
+    nothing, and the run is the default mode's step for step; config.json keeps what was asked."""
+    out = str(tmp_path)
+    capsys.readouterr()
+    assert main(straight_args(data_dir, out, compile_mode="reduce-overhead", checkpoint_interval=0)) == 0
+    printed = capsys.readouterr().out
+    assert "note: compile_mode=reduce-overhead has no effect: this run does not compile" in printed
+    assert step_losses(out) == step_losses(straight)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["resolved"]["compile_mode"] == "reduce-overhead"
+
+
 def test_same_global_batch_same_run(data_dir, straight, tmp_path):
     """micro-batch 2 x 2 accumulation steps and micro-batch 4 x 1 step: the same optimizer steps."""
     out = str(tmp_path)
@@ -151,6 +164,10 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"],
      "bad.py is not a readable train_gpt2.py checkpoint"),
     (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
+    (["--compile_mode=max-autotune"], "compile_mode must be one of default, reduce-overhead, "
+                                      "max-autotune-no-cudagraphs; got 'max-autotune'"),
+    (["--fsdp=true", "--compile_mode=reduce-overhead"], "compile_mode=reduce-overhead replays CUDA graphs over "
+                                                        "fixed memory, but fsdp=true gathers the weights"),
 ]
 
 
