@@ -179,3 +179,40 @@ def test_a_call_out_of_time_skips_the_rest_and_says_so(tmp_path):
     assert rc == 0, logs
     assert "hellaswag: not run: the call's 16 s are spent" in summary or record["hellaswag"]["exit"] == 0
     assert "ladder: not run: the call's 16 s are spent" in summary and record["ladder"]["exit"] is None
+
+
+# -----------------------------------------------------------------------------
+# dev/profile_step.py's reading of a trace (the profile part: the GPU's idle time, charged to the host's phases)
+
+
+def profile_step():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("profile_step", os.path.join(ROOT, "dev", "profile_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_busy_is_the_union_of_its_work():
+    ps = profile_step()
+    assert ps.union_ns([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25  # overlaps once, nested once
+    assert ps.union_ns([]) == 0
+
+
+def test_gpu_idle_is_charged_to_the_host_phase_that_ended_it():
+    """A gap between GPU work goes to the innermost phase running when the GPU started again; gaps under the
+    threshold are not idle; none in a phase: the loop's own Python."""
+    ps = profile_step()
+    gpu = [(0, 100), (100, 200), (250, 300), (1000, 1100), (1101, 1200), (5000, 5100)]
+    phases = [("optimizer_step", 900, 1150), ("next_batch", 950, 1050), ("forward", 200, 400)]
+    got = ps.idle_by_phase(gpu, phases, min_gap_ns=10)
+    assert got == {"forward": [50, 1], "next_batch": [700, 1], "loop": [3800, 1]}
+
+
+def test_aten_ops_outside_compiled_code_are_counted_at_top_level():
+    ps = profile_step()
+    events = [("aten::div", 0, 10, 1), ("aten::empty", 2, 3, 1),  # nested in div: not counted again
+              ("Torch-Compiled Region: 0/0", 20, 60, 1), ("aten::mm", 30, 40, 1),  # inside compiled code
+              ("aten::add_", 70, 80, 1), ("aten::add_", 90, 95, 2),  # two threads (the backward's)
+              ("backward", 100, 200, 1), ("aten::mul", 110, 120, 1)]  # a label is not an aten op
+    assert ps.outside_compiled(events) == {"aten::div": 1, "aten::add_": 2, "aten::mul": 1}

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2train import optim
 from gpt2train.config import Config, parse_args
@@ -93,6 +94,48 @@ def test_a_compile_mode_that_changes_nothing_here_says_so(data_dir, straight, tm
     assert step_losses(out) == step_losses(straight)
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["resolved"]["compile_mode"] == "reduce-overhead"
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the C++ scalar reads (aten._local_scalar_dense: .item(), bool(t), float(t)) of the ops run under
+    it: on a GPU each waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loop_reads_the_device_once_a_step(data_dir, tmp_path, monkeypatch):
+    """train_gpt2's loop (the micro-steps from the trainer's loader, the step, its line and log row, the guard,
+    the stop checks; evals off) reads values from the device once a step: optimizer_step's one transfer of loss,
+    norm and the ranks' asks. Counted on the CPU between one step line and the next: every .tolist(), .cpu() and
+    .numpy() call and every scalar read, with AdamW fused as on CUDA (the CPU's foreach AdamW reads its step
+    counts on the host: on CUDA the trainer runs the fused one, which reads nothing)."""
+    import train_gpt2
+    reads, counts = DeviceReads(), []
+    calls = {"n": 0}
+    for name in ("tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls["n"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    build = optim.build_optimizers
+    monkeypatch.setattr(optim, "build_optimizers", lambda *a, **k: build(*a, **{**k, "fused": True}))
+    log_step = train_gpt2.log_step
+
+    def counting_log_step(*args, **kwargs):
+        counts.append(reads.reads + calls["n"])
+        log_step(*args, **kwargs)
+    monkeypatch.setattr(train_gpt2, "log_step", counting_log_step)
+    with reads:
+        assert main(tiny_args(data_dir, str(tmp_path), max_steps=5, eval_interval=0, checkpoint_interval=0)) == 0
+    assert len(counts) == 5 and [b - a for a, b in zip(counts, counts[1:])] == [1] * 4, counts
 
 
 def test_same_global_batch_same_run(data_dir, straight, tmp_path):
