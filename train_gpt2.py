@@ -43,7 +43,7 @@ from gpt2train.guard import STOP_SIGNALS, Asks, Diverged, Guard, Stopped, catch_
 from gpt2train.guard import end_failed_line, end_stopped_line, interrupted_line, stop_asks
 from gpt2train.guard import stop_notice, stopped_line
 from gpt2train.logger import print0
-from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
+from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, llmc_flops_per_token
 
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s), and at end
 
@@ -339,6 +339,7 @@ class Progress:
     deadline: float = math.inf  # time.time() by which the run must have stopped and saved
     timer: object = None  # logger.StepTimer: the ETA
     flops_per_token: float = 0.0  # for the MFU
+    llmc_flops_per_token: float = 0.0  # for the MFU as llm.c counts it (model.llmc_flops_per_token)
     clock_due: bool = False  # a save by the clock (checkpoint_minutes) is due before the next step
     plotted_at: float = -math.inf
     warned_grace: bool = False
@@ -419,7 +420,8 @@ def start(run):
     return Progress(run.newest, time.time(), n_params * 12 / 100e6,  # a first guess at a save's s
                     runlog=runlog, guard=guard, at=run.start_step, saved_step=run.start_step,
                     deadline=deadline,
-                    timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T))
+                    timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T),
+                    llmc_flops_per_token=llmc_flops_per_token(run.raw_model, run.T))
 
 
 def stop(run, step, progress, argv, sig, in_eval=False):
@@ -471,19 +473,20 @@ def log_step(run, step, stepped, dt, progress):
     its log.jsonl row on rank 0, and after the first step the memory line."""
     cfg, plan, lrs, why = run.cfg, run.plan, optim.lrs(run.optimizers), stepped.why
     tok_per_s = run.tokens_per_step / dt
-    mfu = precision.estimate_mfu(progress.flops_per_token, tok_per_s / run.env.world_size,
-                                 plan.device_name, plan.dtype, plan.tf32)
+    mfu, mfu_llmc = (precision.estimate_mfu(flops, tok_per_s / run.env.world_size,
+                                            plan.device_name, plan.dtype, plan.tf32)
+                     for flops in (progress.flops_per_token, progress.llmc_flops_per_token))
     eta = progress.timer.eta(dt, cfg.max_steps - step - 1)
     print0(f"step {step:6d}/{cfg.max_steps} | loss {stepped.loss:.4f} | lr {logger.fmt_lrs(lrs)} | "
            f"norm {stepped.norm:.3f}{why and f' (skipped: {why})'} | {dt * 1000:.1f} ms | "
-           f"{tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
+           f"{tok_per_s:,.0f} tok/s | MFU {logger.fmt_mfu(mfu, mfu_llmc)} | "
            f"ETA {logger.fmt_duration(eta)}")
     if progress.runlog is None:
         return
     if step == run.start_step:
         print0(memory.memory_summary(run.raw_model, run.optimizers, plan, run.B, run.T))
     row = logger.step_row(step, stepped, lrs, dt, tok_per_s)
-    progress.runlog.write(row, mfu=mfu, **logger.memory_stats(plan.device))
+    progress.runlog.write(row, mfu=mfu, mfu_llmc=mfu_llmc, **logger.memory_stats(plan.device))
 
 # -----------------------------------------------------------------------------
 # periodic work: evaluation, HellaSwag, samples, checkpoints
