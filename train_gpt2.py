@@ -145,6 +145,7 @@ def setup(cfg, given, env, lock):
     when out_dir holds a finished run: nothing to do)."""
     started = time.time()
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # first
+    precision.set_allocator(cfg.expandable_segments)  # before anything touches CUDA
     device = precision.resolve_device(cfg.device, env.local_rank)
     startup = distributed.init(env, device, cfg.dist_timeout)  # None without torchrun
     plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan, cfg.compile_mode)

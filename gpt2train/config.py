@@ -141,6 +141,9 @@ class Config:
                                             # backward
     loss_impl: str = "auto"  # loss head: auto = full logits where compiled and they fit, else
                              # chunked; full, chunked
+    expandable_segments: bool = False  # CUDA: the caching allocator grows its segments in place
+                                       # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): less
+                                       # reserved beyond what is allocated
 
 
 CHOICES = {

@@ -8,6 +8,7 @@ How the estimate counts: docs/benchmarks.md#how-the-estimate-counts; reports: be
     B, T, why, model = choose_micro_batch(raw_model, optimizers, plan, step, asked)  # the trainer's
 """
 import dataclasses
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -21,7 +22,7 @@ from gpt2train.fileio import UserError
 from gpt2train.logger import warn0
 from gpt2train.loss import CE_CHUNK_ROWS, full_head_bytes, loss_chunk_rows, loss_head_temp_bytes
 from gpt2train.optim import train_step
-from gpt2train.precision import (available_ram, compile_model, compiles, free_memory,
+from gpt2train.precision import (ALLOC_CONF, available_ram, compile_model, compiles, free_memory,
                                  fsdp_param_dtype, is_oom, synchronize)
 
 
@@ -194,17 +195,27 @@ def memory_summary(model, optimizers, plan, micro_batch=None, seq_len=None):
         step = Step(model.config, seq_len, dtype=plan.dtype, device_type=device_type, fsdp=sharded,
                     activation_checkpointing=ckpt, loss_impl=loss_impl, compiled=plan.compile)
         act, logits = activation_bytes_estimate(step, micro_batch)
-        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
-                     f"{loss_impl} loss, checkpointing {ckpt})")
+        parts.append(f"activations ~{fmt_bytes(act + logits)} of which logits ~{fmt_bytes(logits)} "
+                     f"(estimate, {micro_batch}x{seq_len}, {loss_impl} loss, checkpointing {ckpt})")
     if device_type == "cuda":
-        alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
-                     f"(+{fmt_bytes(reserved - alloc)} cached), "
-                     f"peak allocated {fmt_bytes(torch.cuda.max_memory_allocated(device))}, "
-                     f"peak reserved {fmt_bytes(torch.cuda.max_memory_reserved(device))}")
+        parts.append(allocator_line(device, tensor_bytes(params) + grads + state))
     else:
         parts.append(f"allocator stats n/a on {device_type}")
     return "memory: " + ", ".join(parts)
+
+
+def allocator_line(device, held):
+    """What CUDA's allocator holds: now and at its peak, the peak's share beyond `held` (the
+    parameters, gradients and optimizer state: the step's activations, logits and temporaries) and
+    its slack (reserved beyond allocated at the peak), with the allocator's settings."""
+    alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    peak, peak_reserved = (torch.cuda.max_memory_allocated(device),
+                           torch.cuda.max_memory_reserved(device))
+    conf = os.environ.get(ALLOC_CONF, "")
+    return (f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
+            f"(+{fmt_bytes(reserved - alloc)} cached), peak allocated {fmt_bytes(peak)} "
+            f"(the step's own {fmt_bytes(peak - held)}), peak reserved {fmt_bytes(peak_reserved)} "
+            f"(slack {fmt_bytes(peak_reserved - peak)}), allocator {conf or 'default'}")
 
 
 # -----------------------------------------------------------------------------

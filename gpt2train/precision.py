@@ -213,6 +213,23 @@ def available_ram():
         return None
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def set_allocator(expandable_segments):
+    """expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF for this process when asked: CUDA's
+    caching allocator then maps more memory into a segment as it grows instead of reserving new
+    blocks of fixed size, so less is reserved beyond what is allocated. Call it before anything
+    touches CUDA (the allocator reads the variable once); the variable's other settings are kept,
+    and one that names expandable_segments itself wins (the user's own). Returns the allocator's
+    settings as they now are, "" for none."""
+    conf = os.environ.get(ALLOC_CONF, "")
+    if expandable_segments and "expandable_segments" not in conf:
+        conf = ",".join(filter(None, [conf, "expandable_segments:True"]))
+        os.environ[ALLOC_CONF] = conf
+    return conf
+
+
 def set_tf32(on):
     """TF32 tensor cores for fp32 matmuls (CUDA sm80+); 'highest' is plain fp32."""
     torch.set_float32_matmul_precision("high" if on else "highest")

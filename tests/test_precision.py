@@ -130,6 +130,20 @@ def test_compile_model_passes_the_mode(monkeypatch, device, mode, passed, subpro
     assert inductor_config.autotune_in_subproc is subproc
 
 
+@pytest.mark.parametrize("before,asked,after", [
+    (None, False, None), (None, True, "expandable_segments:True"),
+    ("max_split_size_mb:512", True, "max_split_size_mb:512,expandable_segments:True"),  # the user's others kept
+    ("expandable_segments:False", True, "expandable_segments:False"),  # the user's own word wins
+])
+def test_expandable_segments_is_set_for_cuda_s_allocator(monkeypatch, before, asked, after):
+    if before is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+    assert precision.set_allocator(asked) == (after or "")
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == after
+
+
 def test_resolve_device_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(precision, "nvidia_driver", lambda *a: "")  # no GPU either (tests/test_no_silent_cpu.py: one)

@@ -138,6 +138,20 @@ def test_the_loop_reads_the_device_once_a_step(data_dir, tmp_path, monkeypatch):
     assert len(counts) == 5 and [b - a for a, b in zip(counts, counts[1:])] == [1] * 4, counts
 
 
+def test_expandable_segments_is_set_before_cuda_starts(data_dir, tmp_path, monkeypatch):
+    """expandable_segments=true: PYTORCH_CUDA_ALLOC_CONF says so before the device is even resolved (CUDA's
+    allocator reads it once, at its first allocation)."""
+    import train_gpt2
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    seen = []
+    resolve = train_gpt2.precision.resolve_device
+    monkeypatch.setattr(train_gpt2.precision, "resolve_device",
+                        lambda *a: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")) or resolve(*a))
+    args = tiny_args(data_dir, str(tmp_path), max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert main(args + ["--expandable_segments=true"]) == 0
+    assert seen == ["expandable_segments:True"]
+
+
 def test_same_global_batch_same_run(data_dir, straight, tmp_path):
     """micro-batch 2 x 2 accumulation steps and micro-batch 4 x 1 step: the same optimizer steps."""
     out = str(tmp_path)
