@@ -230,7 +230,8 @@ def place_model(cfg, given, ckpt, plan, env):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot
     do)."""
     raw_model = load_model(cfg, given, ckpt)
-    raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing)  # the run's own
+    raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing,  # the run's own
+                          qkv_impl=cfg.qkv_impl, gelu_impl=cfg.gelu_impl)
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under "
                         "torchrun, or drop --fsdp")

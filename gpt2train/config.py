@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from gpt2train import precision
 from gpt2train.fileio import UserError
+from gpt2train.kernels import GELU_IMPLS, QKV_IMPLS
 from gpt2train.loss import LOSS_IMPLS
 
 
@@ -144,6 +145,13 @@ class Config:
     expandable_segments: bool = False  # CUDA: the caching allocator grows its segments in place
                                        # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): less
                                        # reserved beyond what is allocated
+    # kernel layouts: levers the GPU session times (dev/gpu_session.sh), the defaults until a lease
+    # shows one faster (gpt2train/kernels.py)
+    qkv_impl: str = "fused"  # c_attn: one matmul for q, k, v; "split": a matmul each on its rows
+                             # (no cat of their gradients in backward)
+    gelu_impl: str = "pointwise"  # the MLP's GELU: its own kernel; "epilogue": in the c_fc GEMM on
+                                  # CUDA, its input recomputed in backward (one GEMM more, the
+                                  # (B, T, 4C) pre-activation never kept)
 
 
 CHOICES = {
@@ -156,6 +164,8 @@ CHOICES = {
     "compile_mode": precision.COMPILE_MODES,
     "activation_checkpointing": ("none", "blocks", "every_other"),
     "loss_impl": ("auto", *LOSS_IMPLS),
+    "qkv_impl": QKV_IMPLS,
+    "gelu_impl": GELU_IMPLS,
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -236,6 +236,30 @@ def test_reduce_overhead_trains_like_eager_with_accumulation(tmp_path, capsys):
     a, b = step_losses(eager), step_losses(graphs)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) < 2e-3 for s in a), (a, b)
 
+def test_the_kernel_layouts_on_the_gpu_give_the_default_loss_and_gradients():
+    """gelu_impl=epilogue (cuBLASLt's GELU epilogue through torch._addmm_activation: the tanh GELU, as the model's)
+    and qkv_impl=split, compiled as the trainer compiles, in the GPU's plan: one graph, the default layout's loss
+    and gradients within the dtype's rounding."""
+    plan = precision.make_plan("cuda:0")
+    x, y = counting_batch(4, 128)
+    results = []
+    for runtime in ({}, dict(gelu_impl="epilogue", qkv_impl="split")):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = GPT(SMALL, loss_impl="full").cuda().set_runtime(**runtime)
+        compiled = precision.compile_model(model, plan)
+        assert precision.compiles(compiled, 4, 128, plan) and not precision.graph_breaks()
+        with precision.autocast(plan):
+            _, loss = compiled(x, y)
+        loss.backward()
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()]))
+    torch._dynamo.reset()
+    (l0, g0), (l1, g1) = results
+    tol = 2e-2 if plan.dtype != torch.float32 else 1e-4
+    assert abs(l0 - l1) <= tol * abs(l0), (l0, l1)
+    assert all((a - b).abs().max() <= tol * a.abs().max() for a, b in zip(g0, g1))
+
 def test_torchrun_on_one_gpu_equals_one_process(tmp_path):
     """torchrun with one worker on the GPU: NCCL for the training collectives (the loss and stop requests'
     all_reduce), gloo for the start-up waits; the run equals the plain process's."""
