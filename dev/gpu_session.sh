@@ -318,7 +318,8 @@ if kind == "train":
 elif kind == "profile":
     text = read(path)
     steps = re.findall(r"^profiled step \d+: wall ([\d.]+) ms(?:, GPU busy ([\d.]+) ms, idle ([\d.]+) ms)?", text, re.M)
-    phases = re.findall(r"^  (\w+) +([\d.]+) ms in (\d+) gaps", text, re.M)
+    dry = text.split("when the GPU ran out of work), a step:")[1:]  # where the host fell behind or waited
+    phases = re.findall(r"^  (\w+) +([\d.]+) ms in (\d+) gaps", dry[0].split("\nGPU idle")[0], re.M) if dry else []
     syncs = re.search(r"^host syncs: ([\d.]+) a step", text, re.M)
     ref = re.search(r"=== nanoGPT's model: ([\d.]+) ms", text)
     rec = {"wall_ms": [float(w) for w, _, _ in steps], "busy_ms": [float(b) for _, b, _ in steps if b],
@@ -329,7 +330,7 @@ elif kind == "profile":
         line += f", wall {statistics.median(rec['wall_ms']):.1f} ms a step"
     if rec["busy_ms"]:
         idle = statistics.median(float(i) for *_, i in steps)
-        line += (f", GPU busy {statistics.median(rec['busy_ms']):.1f}, idle {idle:.1f}; idle by host phase: "
+        line += (f", GPU busy {statistics.median(rec['busy_ms']):.1f}, idle {idle:.1f}; the GPU ran dry in: "
                  + ", ".join(f"{p} {ms:.1f} ms" for p, ms in rec["idle_by_phase_ms"].items()))
     if rec["syncs_per_step"] is not None:
         line += f"; host syncs {rec['syncs_per_step']:.1f} a step"

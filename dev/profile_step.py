@@ -15,8 +15,9 @@ torch.profiler.record_function) and records the ACTIVE steps after the WARM ones
 - per step: the wall time (the profiler's step, log_step to log_step), the GPU busy (the union of
   kernels, copies and fills), the GPU idle (wall - busy), and the host syncs (the CUDA runtime's
   synchronize calls and blocking copies);
-- GPU idle by host phase: each gap between GPU work is charged to what the host was doing when the
-  GPU started again (the phase whose launch ended the wait);
+- GPU idle by host phase: each gap between GPU work charged to what the host was doing when the GPU
+  ran out of work (where the host fell behind, or waited for it), and again to what it was doing
+  when the GPU started again (the phase whose launch ended the wait);
 - the host's time per phase, and the aten ops the host ran outside compiled code, per step;
 - the top kernels by GPU time (the top ops by CPU time on a CPU).
 
@@ -43,7 +44,7 @@ from gpt2train import data, optim, precision  # noqa: E402
 
 PHASES = ("next_batch", "forward", "backward", "optimizer_step", "log_step")
 SYNC_CALLS = re.compile(r"^(cuda(Stream|Device|Event)Synchronize|cudaMemcpy|cuMemcpyDtoH(_v2)?)$")
-GPU_TYPES = (torch.autograd.DeviceType.CUDA,)
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's activity types of the GPU's own work
 OFF = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0",
        "--checkpoint_interval=0", "--checkpoint_minutes=0"]
 
@@ -115,15 +116,17 @@ def union_ns(intervals):
     return total
 
 
-def idle_by_phase(gpu, phases, min_gap_ns=2000):
+def idle_by_phase(gpu, phases, min_gap_ns=2000, at_end=False):
     """{phase: [idle ns, gaps]}: each gap of at least min_gap_ns between GPU work (gpu: (start, end)
-    intervals) charged to the host phase ((name, start, end), innermost first when nested) running
-    when the GPU started again; "loop" where none was (the loop's own Python)."""
+    intervals) charged to the host phase ((name, start, end), the innermost where nested) running
+    when the GPU ran out of work (at_end: when it started again, i.e. the phase whose launch ended
+    the wait); "loop" where none was (the loop's own Python)."""
     out, end = {}, None
     for s, e in sorted(gpu):
         if end is not None and s - end >= min_gap_ns:
-            at = [(pe - ps, name) for name, ps, pe in phases if ps <= s <= pe]
-            name = min(at)[1] if at else "loop"
+            t = s if at_end else end
+            inside = [(pe - ps, name) for name, ps, pe in phases if ps <= t <= pe]
+            name = min(inside)[1] if inside else "loop"
             slot = out.setdefault(name, [0, 0])
             slot[0] += s - end
             slot[1] += 1
@@ -150,9 +153,9 @@ def outside_compiled(cpu_events):
 def report(prof, active):
     """Print the per-step numbers, the GPU's idle by host phase, the host's phases and aten ops."""
     events = prof.profiler.kineto_results.events()
-    gpu = [(ev.start_ns(), ev.end_ns()) for ev in events if ev.device_type() in GPU_TYPES]
+    gpu = [(ev.start_ns(), ev.end_ns()) for ev in events if ev.activity_type() in GPU_WORK]
     cpu = [(ev.name(), ev.start_ns(), ev.end_ns(), ev.start_thread_id()) for ev in events
-           if ev.device_type() not in GPU_TYPES]
+           if ev.device_type() == torch.autograd.DeviceType.CPU]  # ops, labels, runtime calls
     steps = [(s, e) for name, s, e, _ in cpu if name.startswith("ProfilerStep#")]
     phases = [(name, s, e) for name, s, e, _ in cpu if name in PHASES]
     syncs = sum(bool(SYNC_CALLS.match(name)) for name, *_ in cpu)
@@ -164,10 +167,12 @@ def report(prof, active):
         print(line)
     print(f"host syncs: {syncs / max(active, 1):.1f} a step (synchronize calls, blocking copies)"
           if gpu else "host syncs: n/a (no GPU trace)")
-    if gpu:
-        print("GPU idle by host phase (what the host was doing when the GPU started again), a step:")
-        for name, (ns, n) in sorted(idle_by_phase(gpu, phases).items(), key=lambda kv: -kv[1][0]):
-            print(f"  {name:15s} {ns / 1e6 / active:8.2f} ms in {n / active:.0f} gaps")
+    for at_end, when in ((False, "ran out of work"), (True, "started again")):
+        if gpu:
+            print(f"GPU idle by host phase (what the host was doing when the GPU {when}), a step:")
+            idle = idle_by_phase(gpu, phases, at_end=at_end)
+            for name, (ns, n) in sorted(idle.items(), key=lambda kv: -kv[1][0]):
+                print(f"  {name:15s} {ns / 1e6 / active:8.2f} ms in {n / active:.0f} gaps")
     print("host time by phase, a step:")
     for name in PHASES:
         spans = [e - s for n, s, e in phases if n == name]

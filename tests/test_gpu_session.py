@@ -234,14 +234,15 @@ def test_gpu_busy_is_the_union_of_its_work():
     assert ps.union_ns([]) == 0
 
 
-def test_gpu_idle_is_charged_to_the_host_phase_that_ended_it():
-    """A gap between GPU work goes to the innermost phase running when the GPU started again; gaps under the
-    threshold are not idle; none in a phase: the loop's own Python."""
+def test_gpu_idle_is_charged_to_the_host_phases_around_it():
+    """A gap between GPU work goes to the innermost phase running when the GPU ran out of work, or (at_end) when it
+    started again; gaps under the threshold are not idle; none in a phase: the loop's own Python."""
     ps = profile_step()
     gpu = [(0, 100), (100, 200), (250, 300), (1000, 1100), (1101, 1200), (5000, 5100)]
-    phases = [("optimizer_step", 900, 1150), ("next_batch", 950, 1050), ("forward", 200, 400)]
-    got = ps.idle_by_phase(gpu, phases, min_gap_ns=10)
-    assert got == {"forward": [50, 1], "next_batch": [700, 1], "loop": [3800, 1]}
+    phases = [("optimizer_step", 900, 1150), ("next_batch", 950, 1050), ("forward", 190, 400), ("log_step", 1150, 1300)]
+    assert ps.idle_by_phase(gpu, phases, min_gap_ns=10, at_end=True) == {
+        "forward": [50, 1], "next_batch": [700, 1], "loop": [3800, 1]}
+    assert ps.idle_by_phase(gpu, phases, min_gap_ns=10) == {"forward": [750, 2], "log_step": [3800, 1]}
 
 
 def test_aten_ops_outside_compiled_code_are_counted_at_top_level():
@@ -303,3 +304,34 @@ def test_summarize_reads_a_gpu_runs_lines(tmp_path):
                       "slack 5.9 | allocator expandable_segments:True | llm.c 22.6"), second
     rec = json.loads(out.read_text())["adamw"]
     assert rec["mfu_llmc"] == pytest.approx(43.7) and rec["memory"]["step_own"] == pytest.approx(38.4)
+
+
+PROFILE_LOG = """=== the trainer's loop: 2 steps profiled after 3
+profiled step 0: wall 980.0 ms, GPU busy 950.0 ms, idle 30.0 ms
+profiled step 1: wall 978.0 ms, GPU busy 951.0 ms, idle 27.0 ms
+host syncs: 1.0 a step (synchronize calls, blocking copies)
+GPU idle by host phase (what the host was doing when the GPU ran out of work), a step:
+  optimizer_step     20.00 ms in 1 gaps
+  forward             8.50 ms in 40 gaps
+GPU idle by host phase (what the host was doing when the GPU started again), a step:
+  loop               19.00 ms in 1 gaps
+host time by phase, a step:
+  forward            30.00 ms in 8 calls (median 3750 us)
+
+=== nanoGPT's model: 131.4 ms a micro-step + optimizer step at 64x1024 (498,567 tok/s)
+"""
+
+
+def test_summarize_reads_a_gpu_profile(tmp_path):
+    """The profile summary on a GPU profile's lines: the medians a step, the idle charged to where the GPU ran
+    dry (not the second table), the host syncs, nanoGPT's micro-step."""
+    (tmp_path / "profile.log").write_text(PROFILE_LOG)
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, RECORD=re.search(r"export RECORD='(.*?)'\n", script(), re.S)[1])
+    res = subprocess.run(["python3", "-c", summarize_code(), str(out), "profile", str(tmp_path / "profile.log")],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == ("profile: 2 steps profiled, wall 979.0 ms a step, GPU busy 950.5, idle 28.5; the "
+                                  "GPU ran dry in: optimizer_step 20.0 ms, forward 8.5 ms; host syncs 1.0 a step; "
+                                  "nanoGPT's model 131.4 ms a micro-step + optimizer step")
+    assert json.loads(out.read_text())["profile"]["idle_by_phase_ms"] == {"optimizer_step": 20.0, "forward": 8.5}
