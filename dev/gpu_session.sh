@@ -424,7 +424,7 @@ b128() {
 }
 
 test_cuda() {  # (pytest's exit 5: no test ran, which is what the smoke run's CPU gives: the module skips itself)
-    EXPECT=${SMOKE:+5} part test_cuda 180 python3 -m pytest -q -rfEs --durations=10 -o faulthandler_timeout=150 \
+    EXPECT=${SMOKE:+5} part test_cuda 240 python3 -m pytest -q -rfEs --durations=10 -o faulthandler_timeout=150 \
         -p no:cacheprovider --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
     tail -1 "$OUT/test_cuda.log" | sed 's/^/test_cuda: /' >>"$OUT/summary.txt"
 }
