@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt2train.checkpoint import check_config, read_checkpoint
 from gpt2train.fileio import UserError, fail
+from gpt2train.kernels import GELU_IMPLS, QKV_IMPLS, linear_gelu, qkv_split
 from gpt2train.logger import print0
 from gpt2train.loss import CE_CHUNK_ROWS, LOSS_IMPLS, loss_head
 
@@ -72,6 +73,7 @@ PRETRAINED = {
 
 
 class CausalSelfAttention(nn.Module):
+    qkv_impl = "fused"  # a run-time setting (GPT.set_runtime): one matmul for q, k, v, or "split"
 
     def __init__(self, config):
         super().__init__()
@@ -86,7 +88,10 @@ class CausalSelfAttention(nn.Module):
         """Causal self-attention of x; attn_mask, if given, a bool mask broadcastable to
         (B, nh, T, T) with True = attend."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        if self.qkv_impl == "split":  # a matmul each (gpt2train/kernels.py): no cat in backward
+            q, k, v = qkv_split(x, self.c_attn.weight, self.c_attn.bias)
+        else:
+            q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -106,6 +111,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    gelu_impl = "pointwise"  # a run-time setting (GPT.set_runtime): or "epilogue", in the GEMM
 
     def __init__(self, config):
         super().__init__()
@@ -115,6 +121,8 @@ class MLP(nn.Module):
         self.c_proj.SCALE_INIT = True
 
     def forward(self, x):
+        if self.gelu_impl == "epilogue":  # gpt2train/kernels.py: the pre-activation never kept
+            return self.c_proj(linear_gelu(x, self.c_fc.weight, self.c_fc.bias))
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
@@ -149,6 +157,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
+        self.set_runtime(qkv_impl=CausalSelfAttention.qkv_impl, gelu_impl=MLP.gelu_impl)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -172,11 +181,13 @@ class GPT(nn.Module):
                 block.mlp.c_proj.weight.zero_()
         return self
 
-    def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None, loss_impl=None):
+    def set_runtime(self, activation_checkpointing=None, ce_chunk_rows=None, loss_impl=None,
+                    qkv_impl=None, gelu_impl=None):
         """How this run executes the model, never part of its config or a checkpoint: the blocks
-        recomputed in backward (CHECKPOINTING), the chunked loss's rows of logits at a time and the
-        loss head (LOSS_IMPLS). None keeps the value. Set before torch.compile: the compiled graph
-        guards on them."""
+        recomputed in backward (CHECKPOINTING), the chunked loss's rows of logits at a time, the
+        loss head (LOSS_IMPLS), and the kernel layouts of gpt2train/kernels.py (qkv_impl,
+        gelu_impl: set on every block). None keeps the value. Set before torch.compile: the
+        compiled graph guards on them."""
         if activation_checkpointing is not None:
             if activation_checkpointing not in CHECKPOINTING:
                 raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not "
@@ -190,6 +201,14 @@ class GPT(nn.Module):
             if loss_impl not in LOSS_IMPLS:
                 raise ValueError(f"loss_impl={loss_impl!r} is not one of {', '.join(LOSS_IMPLS)}")
             self.loss_impl = loss_impl
+        for name, value, choices in (("qkv_impl", qkv_impl, QKV_IMPLS),
+                                     ("gelu_impl", gelu_impl, GELU_IMPLS)):
+            if value is not None:
+                if value not in choices:
+                    raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+                setattr(self, name, value)
+                for block in self.transformer.h:
+                    setattr(block.attn if name == "qkv_impl" else block.mlp, name, value)
         return self
 
     def hidden_states(self, idx, pos=None, attn_mask=None):
@@ -355,6 +374,14 @@ def flops_per_token(model, seq_len):
     return 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
 
 
+def llmc_flops_per_token(model, seq_len):
+    """Training FLOPs per token as llm.c counts them (train_gpt2.cu's gpt2_estimate_mfu):
+    6N + 6*L*C*T, N every parameter (the position embedding and the biases too, the tied embedding
+    once). At 124M, T=1024: 803.5M against our 855.4M, so the same tok/s reads 0.939x the MFU."""
+    c = model.config
+    return 6 * model.num_params(non_embedding=False) + 6 * c.n_layer * c.n_embd * seq_len
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -364,7 +391,8 @@ def print_sizes():
         with torch.device("meta"):
             m = GPT(GPTConfig(vocab_size=50304, **kw))
         print(f"{name:12s} {m.num_params(non_embedding=False) / 1e6:7.1f}M params, "
-              f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024")
+              f"{flops_per_token(m, 1024) / 1e9:6.2f} GFLOPs/token at T=1024 "
+              f"({llmc_flops_per_token(m, 1024) / 1e9:.2f} as llm.c counts)")
 
 
 USAGE = "usage: python model.py [sizes]"

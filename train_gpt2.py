@@ -43,7 +43,7 @@ from gpt2train.guard import STOP_SIGNALS, Asks, Diverged, Guard, Stopped, catch_
 from gpt2train.guard import end_failed_line, end_stopped_line, interrupted_line, stop_asks
 from gpt2train.guard import stop_notice, stopped_line
 from gpt2train.logger import print0
-from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token
+from model import GPT2_VOCAB_SIZE, GPT, GPTConfig, flops_per_token, llmc_flops_per_token
 
 PLOT_EVERY = 60  # seconds: curves.png is redrawn at an eval at most this often (~1 s), and at end
 
@@ -153,16 +153,18 @@ def setup(cfg, given, env, lock):
     when out_dir holds a finished run: nothing to do)."""
     started = time.time()
     logger.check_packages(tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)  # first
+    precision.set_allocator(cfg.expandable_segments)  # before anything touches CUDA
     device = precision.resolve_device(cfg.device, env.local_rank)
     startup = distributed.init(env, device, cfg.dist_timeout)  # None without torchrun
-    plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan)
+    plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan, cfg.compile_mode)
     precision.set_tf32(plan.tf32)
     where = device
     if plan.capability:
         where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})"
     print0(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
-    if precision.cpu_note(plan):
-        print0(precision.cpu_note(plan))
+    for note in (precision.cpu_note(plan), precision.compile_mode_note(plan)):
+        if note:
+            print0(note)
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = checkpoint.resume_point(cfg, given, env, device, lock)
@@ -238,7 +240,8 @@ def place_model(cfg, given, ckpt, plan, env):
     """(the model on its device, FSDP-sharded when asked; {key: off} for the periodic work it cannot
     do)."""
     raw_model = load_model(cfg, given, ckpt)
-    raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing)  # the run's own
+    raw_model.set_runtime(activation_checkpointing=cfg.activation_checkpointing,  # the run's own
+                          qkv_impl=cfg.qkv_impl, gelu_impl=cfg.gelu_impl)
     if cfg.fsdp and not env.ddp:
         raise UserError("fsdp=true shards the model over the ranks of a torchrun launch: run under "
                         "torchrun, or drop --fsdp")
@@ -300,21 +303,26 @@ def compile_and_wrap(raw_model, timed, step, B, plan, env):
     """(the model evals run, the model that trains, the plan as it ran): compiled when the plan says
     so (timed: already compiled by the micro-batch finder), wrapped in DDP under torchrun (not FSDP:
     it reduce-scatters by itself), compiled now through the wrapper so dynamo splits at DDP's
-    buckets; any rank whose compiler fails makes every rank go on eagerly."""
+    buckets; any rank whose compiler fails makes every rank go on eagerly. The finder times the
+    default mode: under another compile_mode the model is compiled again, in that mode."""
     def wrap(m):
         if not env.ddp or step.fsdp:
             return m
         ids = [env.local_rank] if plan.device_type == "cuda" else None
         return DDP(m, device_ids=ids, gradient_as_bucket_view=True)  # grads live in the buckets
+    if timed is not None and plan.compile_mode != "default":
+        timed = None
+        torch._dynamo.reset()  # the finder's graphs were the default mode's
+    eager = dataclasses.replace(plan, compile=False, cudagraphs=False)  # the plan, uncompiled
     model = timed or precision.compile_model(raw_model, plan)
     if model is raw_model:
-        return raw_model, wrap(raw_model), dataclasses.replace(plan, compile=False)
+        return raw_model, wrap(raw_model), eager
     if timed is not None and env.ddp:
         torch._dynamo.reset()  # the finder's graphs were compiled outside DDP: compile through it
     train_model = wrap(model)
     ok = precision.compiles(train_model, B, step.seq_len, plan)
     if agree(float(ok), "min", plan.device) < 1:
-        return raw_model, wrap(raw_model), dataclasses.replace(plan, compile=False)
+        return raw_model, wrap(raw_model), eager
     return model, train_model, plan
 
 
@@ -343,6 +351,7 @@ class Progress:
     deadline: float = math.inf  # time.time() by which the run must have stopped and saved
     timer: object = None  # logger.StepTimer: the ETA
     flops_per_token: float = 0.0  # for the MFU
+    llmc_flops_per_token: float = 0.0  # for the MFU as llm.c counts it (model.llmc_flops_per_token)
     clock_due: bool = False  # a save by the clock (checkpoint_minutes) is due before the next step
     plotted_at: float = -math.inf
     warned_grace: bool = False
@@ -381,7 +390,8 @@ def train(run, argv):
         outlier = progress.guard.is_outlier if cfg.skip_outliers_z > 0 else None
         stepped = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
             run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg),
-            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg))
+            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg),
+            keep_grads=run.plan.cudagraphs)
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
         asks = Asks.read(stepped.flags) if env.ddp else asks  # any rank's: all decide alike
         progress.clock_due = asks.clock_due
@@ -421,7 +431,8 @@ def start(run):
     return Progress(run.newest, time.time(), n_params * 12 / 100e6,  # a first guess at a save's s
                     runlog=runlog, guard=guard, at=run.start_step, saved_step=run.start_step,
                     deadline=deadline,
-                    timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T))
+                    timer=logger.StepTimer(), flops_per_token=flops_per_token(run.raw_model, run.T),
+                    llmc_flops_per_token=llmc_flops_per_token(run.raw_model, run.T))
 
 
 def stop(run, step, progress, argv, sig, in_eval=False):
@@ -473,19 +484,20 @@ def log_step(run, step, stepped, dt, progress):
     its log.jsonl row on rank 0, and after the first step the memory line."""
     cfg, plan, lrs, why = run.cfg, run.plan, optim.lrs(run.optimizers), stepped.why
     tok_per_s = run.tokens_per_step / dt
-    mfu = precision.estimate_mfu(progress.flops_per_token, tok_per_s / run.env.world_size,
-                                 plan.device_name, plan.dtype, plan.tf32)
+    mfu, mfu_llmc = (precision.estimate_mfu(flops, tok_per_s / run.env.world_size,
+                                            plan.device_name, plan.dtype, plan.tf32)
+                     for flops in (progress.flops_per_token, progress.llmc_flops_per_token))
     eta = progress.timer.eta(dt, cfg.max_steps - step - 1)
     print0(f"step {step:6d}/{cfg.max_steps} | loss {stepped.loss:.4f} | lr {logger.fmt_lrs(lrs)} | "
            f"norm {stepped.norm:.3f}{why and f' (skipped: {why})'} | {dt * 1000:.1f} ms | "
-           f"{tok_per_s:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{mfu * 100:.1f}%'} | "
+           f"{tok_per_s:,.0f} tok/s | MFU {logger.fmt_mfu(mfu, mfu_llmc)} | "
            f"ETA {logger.fmt_duration(eta)}")
     if progress.runlog is None:
         return
     if step == run.start_step:
         print0(memory.memory_summary(run.raw_model, run.optimizers, plan, run.B, run.T))
     row = logger.step_row(step, stepped, lrs, dt, tok_per_s)
-    progress.runlog.write(row, mfu=mfu, **logger.memory_stats(plan.device))
+    progress.runlog.write(row, mfu=mfu, mfu_llmc=mfu_llmc, **logger.memory_stats(plan.device))
 
 # -----------------------------------------------------------------------------
 # periodic work: evaluation, HellaSwag, samples, checkpoints

@@ -7,21 +7,35 @@
 #   run(command="bash dev/gpu_session.sh", carry=[".whl", ".gpu"], timeout_s=570)   # every part, in this order:
 #     versions     ~10 s   python, torch, CUDA, cuDNN, Triton, the GPU, the tokenizer
 #     shards       ~15 s   the stdlib shards (data_source=python; nothing downloaded), rows at seq_len 1024
-#     adamw        ~75 s   configs/gpt2_124m.py, micro 64 (loss_impl auto: full logits in the compiled graph)
+#     adamw        ~75 s   configs/gpt2_124m.py, micro 64 (loss_impl auto: the trainer's head on this GPU)
 #     llmc         ~30 s   llm.c's train_gpt2cu on the same shards and batch (.gpu/llmc: ../shared/gpu/llmc copied)
 #     muon         ~45 s   configs/gpt2_124m_muon.py, micro 64 (inductor's cache from adamw: same graph)
-#     sm75         ~50 s   --plan=sm75: the T4's plan on this GPU (fp16 + GradScaler, micro fitted to 15 GiB)
-#     b128         ~70 s   adamw at micro 128 (4 micro-steps: bigger GEMMs; keep it if faster)
-#     test_cuda    ~90 s   python3 -m pytest -q tests/test_cuda.py
-#     hellaswag    ~30 s   dev/hellaswag_bench.py --compile (5,000 rows, the 10,042 by rate; agreement share)
+#     ro           ~75 s   adamw with --compile_mode=reduce-overhead (CUDA graphs: no launch gaps)
+#     best         ~75 s   adamw with the levers expected to win (BEST below); best/llmc is the issue's number
+#     full         ~70 s   adamw with --loss_impl=full (the head before the fused one: the honest baseline)
+#     profile      ~rest   dev/profile_step.py: the trainer's loop profiled (GPU idle by host phase, kernels),
+#                          nanoGPT's model beside where .gpu/nanogpt/model.py is (NANOGPT)
+#
+# Named only, for a second call if the lease has time left (EXTRA; not in the default call), e.g.
+#   run(command="LEASE_S=240 bash dev/gpu_session.sh test_cuda qkv", carry=[".whl", ".gpu"], timeout_s=270):
+#     fused        ~75 s   adamw with --loss_impl=fused (what auto picks on CUDA where Triton runs it)
+#     qkv          ~70 s   adamw with --qkv_impl=split (q, k, v a matmul each: no cat of their gradients)
+#     gelu         ~70 s   adamw with --gelu_impl=epilogue (GELU in the c_fc GEMM, its input recomputed)
+#     expandable   ~45 s   adamw with --expandable_segments=true (reserved against allocated)
+#     test_cuda    ~150 s  python3 -m pytest -q tests/test_cuda.py
+#     sm75         ~55 s   --plan=sm75: the T4's plan on this GPU (fp16 + GradScaler, micro fitted to 15 GiB)
+#     b128         ~60 s   adamw at micro 128 (4 micro-steps: bigger GEMMs; keep it if faster)
+#     hellaswag    ~75 s   dev/hellaswag_bench.py --compile (5,000 rows, the 10,042 by rate; agreement share)
 #     ladder       ~60 s   bench.py --core, the trainer's stack first (cut off: the rest)
-#     autotune     ~rest   adamw with inductor's coordinate-descent tuning (keep it if faster)
+#     autotune     ~200 s  adamw with inductor's coordinate-descent tuning (keep it if faster)
+#     maxautotune  ~300 s  adamw with --compile_mode=max-autotune-no-cudagraphs (Triton GEMM templates with
+#                          fused epilogues benchmarked against cuBLAS, in child processes, plus coordinate
+#                          descent: the H200 of 2026-11-28 crashed in-process, exit 1 after 148 s)
 #
-# Named only, for a second call if the lease has time left (EXTRA; not in the default call):
-#     maxautotune  ~240 s  adamw under mode="max-autotune-no-cudagraphs"'s inductor settings (max_autotune:
-#                          Triton GEMM templates with fused epilogues, benchmarked against cuBLAS; plus
-#                          coordinate-descent tuning), by environment; keep it if faster
-#
+# Times: the H200 logs of 2026-11-28 (adamw 70 s with its compile, muon 39, llmc 20, sm75 54, b128 60,
+# test_cuda 119, hellaswag 73); a part that compiles a graph of its own (ro, best, full, fused, qkv, gelu)
+# is counted as adamw's. Every trainer part prints a memory row (params, grads, optimizer, activations and
+# logits as estimated, the step's own share of the peak, the allocator's slack) beside llm.c's.
 # Or some parts: bash dev/gpu_session.sh versions shards adamw ... (shards first where a part trains).
 # The trainer runs are compared on tok/s of their warm steps (median of the second half); what the lease must show:
 # adamw >= 1.05 x llm.c's tok/s, muon >= 0.97 x adamw's, peak memory beside llm.c's. The numbers go from
@@ -32,7 +46,7 @@
 # (`mkdir -p .gpu && cp -r ../shared/gpu/llmc .gpu/`); both are git-ignored and travel by carry. Trainer out_dirs go
 # under $WORK (a 124M checkpoint is 1.5 GB: none is written here).
 #
-# SMOKE=1: the same commands on the CPU with a tiny model and a few steps, the whole call in about a minute
+# SMOKE=1: the same commands on the CPU with a tiny model and a few steps, every part in a few minutes
 # (tests/test_gpu_session.py runs it from no data, so that the flags cannot rot). TRAIN_ARGS and HELLASWAG_ARGS are
 # appended to the trainer's and dev/hellaswag_bench.py's.
 set -u -o pipefail
@@ -58,8 +72,10 @@ if [ -n "$SMOKE" ]; then  # CPU, tiny: checks that every command still parses an
     B128=("${TINY[@]}" --micro_batch_size=4 --total_batch_size=4096 --max_steps=2 --warmup_steps=1)
     HELLASWAG=(--device cpu --limit 8)  # dev/hellaswag_bench.py's own tiny random model
     LADDER=(--device cpu --model tiny --micro_batch_size 2 --seq_len 32 --warmup 0 --steps 1)
+    PROFILE=("${TINY[@]}" --micro_batch_size=2 --total_batch_size=4096 --warmup_steps=1)
     export TORCH_COMPILE_DISABLE=1  # hellaswag.py --compile: the compiled path, run eagerly (inductor on 2 cores: minutes)
     export CUDA_VISIBLE_DEVICES=""  # even where there is a GPU: tests/test_cuda.py collects and skips
+    export TRITON_INTERPRET=1  # the fused loss head's Triton kernel, interpreted on the CPU
 else  # 124M at seq_len 1024 (configs/gpt2_124m.py), 524,288 tokens a step; 12 steps: the median of 6-11 is warm
     ADAMW=(--micro_batch_size=64 --max_steps=12 --warmup_steps=2)
     MUON=("${ADAMW[@]}")
@@ -67,7 +83,10 @@ else  # 124M at seq_len 1024 (configs/gpt2_124m.py), 524,288 tokens a step; 12 s
     B128=(--micro_batch_size=128 --max_steps=12 --warmup_steps=2)
     HELLASWAG=(--model scratch --limit 5000)  # a random 124M: the timing does not depend on the weights
     LADDER=(--warmup 3 --steps 10)
+    PROFILE=(--micro_batch_size=64 --warmup_steps=2)
 fi
+BEST=(--compile_mode=reduce-overhead --expandable_segments=true)  # the levers expected to win (loss_impl: auto's)
+NANOGPT=${NANOGPT:-.gpu/nanogpt/model.py}  # nanoGPT's model.py, for the profile part (optional)
 HELLASWAG_ROWS=10042  # the full val set, by the measured rate
 T4_BUDGET_GIB=15
 LLMC=${LLMC:-.gpu/llmc}
@@ -163,27 +182,37 @@ read = lambda p: open(p, errors="replace").read() if p and os.path.exists(p) els
 name = os.path.basename(path).rsplit(".", 1)[0]
 
 
+UNITS = {"GiB": 1, "MiB": 2**10, "KiB": 2**20, "B": 2**30}
+
+
+def gib(number, unit):
+    return float(number) / UNITS[unit]
+
+
 def train(text):
-    steps = [(int(s), float(ms), float(t.replace(",", "")), m) for s, ms, t, m in
-             re.findall(r"step +(\d+)/\d+ \|.*?\| ([\d.]+) ms \| ([\d,.]+) tok/s \| MFU ([\d.]+%|n/a)", text)]
+    steps = [(int(s), float(ms), float(t.replace(",", "")), m, llmc) for s, ms, t, m, llmc in
+             re.findall(r"step +(\d+)/\d+ \|.*?\| ([\d.]+) ms \| ([\d,.]+) tok/s \| MFU ([\d.]+%|n/a)"
+                        r"(?: \(llm\.c's count ([\d.]+)%\))?", text)]
     warm = steps[len(steps) // 2:]  # the second half: compiled and warm
     rec = {"steps": len(steps)}
     if warm:
-        mfu = [float(m[:-1]) for *_, m in warm if m != "n/a"]
+        mfu = [float(m[:-1]) for *_, m, _ in warm if m != "n/a"]
+        llmc = [float(m) for *_, m in warm if m]
         rec.update(warm_steps=[warm[0][0], warm[-1][0]], ms_per_step=statistics.median(w[1] for w in warm),
-                   tok_per_s=statistics.median(w[2] for w in warm), mfu=statistics.median(mfu) if mfu else None)
+                   tok_per_s=statistics.median(w[2] for w in warm), mfu=statistics.median(mfu) if mfu else None,
+                   mfu_llmc=statistics.median(llmc) if llmc else None)
     val = re.findall(r"step +(\d+) \| val loss ([\d.]+)", text)
     if val:
         rec["val_loss"] = {s: float(v) for s, v in val}
     fit = re.findall(r"micro-batch fitted to [^(]*", text)
     if fit:
         rec["fit"] = fit[-1].strip()
-    units = {"GiB": 1, "MiB": 2**10, "KiB": 2**20, "B": 2**30}
     for key in ("allocated", "reserved"):
         peak = re.search(rf"peak {key} ([\d.]+) (GiB|MiB|KiB|B)\b", text)
         if peak:
-            rec[f"peak_{key}_gib"] = float(peak[1]) / units[peak[2]]
-    head = re.search(r"^loss_impl=(\w+)", text, re.M)
+            rec[f"peak_{key}_gib"] = gib(*peak.groups())
+    rec["memory"] = memory_parts(text)
+    head = re.search(r"^loss_impl=(\w+)", text, re.M)  # the trainer's loss-head line
     rec["loss_impl"] = head[1] if head else None
     bad = re.findall(r".*(?:compile failed|without compile|warning: torch.compile|WON'T CONVERT|recompile_limit|"
                      r"cache_size_limit|falling back to eager).*", text, re.IGNORECASE)
@@ -191,10 +220,46 @@ def train(text):
     return rec
 
 
+def memory_parts(text):
+    """{part: GiB} of the trainer's memory line (memory.memory_summary) after its first step."""
+    line = re.search(r"^memory: .*", text, re.M)
+    size = r"([\d.]+) (GiB|MiB|KiB|B)"
+    parts = {}
+    for key, pattern in (("params", rf"params {size}"), ("grads", rf"grads {size}"),
+                         ("optimizer", rf"optimizer state {size}"), ("activations", rf"activations ~{size}"),
+                         ("logits", rf"of which logits ~{size}"), ("step_own", rf"the step's own {size}"),
+                         ("peak_allocated", rf"peak allocated {size}"), ("peak_reserved", rf"peak reserved {size}"),
+                         ("slack", rf"slack {size}")):
+        found = re.search(pattern, line[0]) if line else None
+        if found:
+            parts[key] = gib(*found.groups())
+    conf = re.search(r"allocator (\S+)$", line[0]) if line else None
+    parts["allocator"] = conf[1] if conf else None
+    return parts
+
+
+def memory_line(rec):
+    """The part's memory row in GiB, beside llm.c's (its buffers, from summary.json) where known."""
+    m = rec["memory"]
+    if "peak_allocated" not in m:
+        return None
+    try:
+        with open(out) as f:
+            llmc = json.load(f)["llmc"]["peak_allocated_gib"]
+    except (OSError, ValueError, KeyError, TypeError):
+        llmc = None
+    cells = [f"{k} {m[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "logits", "step_own",
+                                          "peak_allocated", "peak_reserved", "slack") if k in m]
+    return (f"{name} memory (GiB, activations and logits estimated): " + " | ".join(cells)
+            + f" | allocator {m['allocator']} | llm.c " + (f"{llmc:.1f}" if llmc else "n/a"))
+
+
 def train_line(rec):
     line = f"{name}: {rec['steps']} steps, loss_impl {rec['loss_impl']}"
     if "tok_per_s" in rec:
         mfu = "n/a" if rec["mfu"] is None else f"{rec['mfu']:.1f}%"
+        if rec.get("mfu_llmc") is not None:
+            mfu += f" (llm.c's count {rec['mfu_llmc']:.1f}%)"
         line += (f"; median of steps {rec['warm_steps'][0]}-{rec['warm_steps'][1]}: {rec['ms_per_step']:.1f} ms, "
                  f"{rec['tok_per_s']:,.0f} tok/s, MFU {mfu}")
     if "val_loss" in rec:
@@ -248,6 +313,29 @@ if kind == "train":
     except (OSError, ValueError, KeyError):
         rec["startup_s"] = None
     line = train_line(rec)
+    if memory_line(rec):
+        line += "\n" + memory_line(rec)
+elif kind == "profile":
+    text = read(path)
+    steps = re.findall(r"^profiled step \d+: wall ([\d.]+) ms(?:, GPU busy ([\d.]+) ms, idle ([\d.]+) ms)?", text, re.M)
+    dry = text.split("when the GPU ran out of work), a step:")[1:]  # where the host fell behind or waited
+    phases = re.findall(r"^  (\w+) +([\d.]+) ms in (\d+) gaps", dry[0].split("\nGPU idle")[0], re.M) if dry else []
+    syncs = re.search(r"^host syncs: ([\d.]+) a step", text, re.M)
+    ref = re.search(r"=== nanoGPT's model: ([\d.]+) ms", text)
+    rec = {"wall_ms": [float(w) for w, _, _ in steps], "busy_ms": [float(b) for _, b, _ in steps if b],
+           "idle_by_phase_ms": {p: float(ms) for p, ms, _ in phases},
+           "syncs_per_step": float(syncs[1]) if syncs else None, "nanogpt_ms": float(ref[1]) if ref else None}
+    line = f"{name}: {len(steps)} steps profiled"
+    if steps:
+        line += f", wall {statistics.median(rec['wall_ms']):.1f} ms a step"
+    if rec["busy_ms"]:
+        idle = statistics.median(float(i) for *_, i in steps)
+        line += (f", GPU busy {statistics.median(rec['busy_ms']):.1f}, idle {idle:.1f}; the GPU ran dry in: "
+                 + ", ".join(f"{p} {ms:.1f} ms" for p, ms in rec["idle_by_phase_ms"].items()))
+    if rec["syncs_per_step"] is not None:
+        line += f"; host syncs {rec['syncs_per_step']:.1f} a step"
+    if ref:
+        line += f"; nanoGPT's model {ref[1]} ms a micro-step + optimizer step"
 elif kind == "hellaswag":
     text = read(path)
     rows = re.search(r"batched \(.*?\): +([\d.]+) examples/s.*", text)
@@ -336,7 +424,7 @@ b128() {
 }
 
 test_cuda() {  # (pytest's exit 5: no test ran, which is what the smoke run's CPU gives: the module skips itself)
-    EXPECT=${SMOKE:+5} part test_cuda 180 python3 -m pytest -q -rfEs --durations=10 -o faulthandler_timeout=150 \
+    EXPECT=${SMOKE:+5} part test_cuda 240 python3 -m pytest -q -rfEs --durations=10 -o faulthandler_timeout=150 \
         -p no:cacheprovider --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
     tail -1 "$OUT/test_cuda.log" | sed 's/^/test_cuda: /' >>"$OUT/summary.txt"
 }
@@ -356,14 +444,46 @@ autotune() {  # inductor's coordinate-descent tuning of the trainer's graph (its
     summarize ratio autotune adamw
 }
 
-maxautotune() {  # max-autotune-no-cudagraphs by inductor's config (its own compile, GEMMs benchmarked: minutes)
-    TORCHINDUCTOR_MAX_AUTOTUNE=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
-        train maxautotune 300 "" configs/gpt2_124m.py "${ADAMW[@]}"
-    summarize ratio maxautotune adamw
+# lever NAME LIMIT FLAGS...: the adamw run with FLAGS (one lever, or BEST's), its tok/s against adamw's
+lever() {
+    local name=$1 limit=$2
+    shift 2
+    train "$name" "$limit" "" configs/gpt2_124m.py "${ADAMW[@]}" "$@"
+    summarize ratio "$name" adamw
 }
 
-PARTS=(versions shards adamw llmc muon sm75 b128 test_cuda hellaswag ladder autotune)
-EXTRA=(maxautotune)
+ro() { lever ro 150 --compile_mode=reduce-overhead; }
+
+best() {
+    lever best 150 "${BEST[@]}"
+    summarize ratio best llmc
+}
+
+full() { lever full 150 --loss_impl=full; }
+
+fused() { lever fused 150 --loss_impl=fused; }
+
+qkv() { lever qkv 150 --qkv_impl=split; }
+
+gelu() { lever gelu 150 --gelu_impl=epilogue; }
+
+expandable() { lever expandable 120 --expandable_segments=true; }
+
+maxautotune() {  # its own compile, the GEMMs benchmarked in child processes: minutes
+    lever maxautotune 300 --compile_mode=max-autotune-no-cudagraphs
+}
+
+profile() {  # the trainer's own loop, profiled (dev/profile_step.py); nanoGPT's model beside where given
+    rm -rf -- "${WORK:?}/profile"
+    local ref=()
+    [ -f "$NANOGPT" ] && ref=(env NANOGPT="$NANOGPT")
+    part profile 240 "${ref[@]}" python3 dev/profile_step.py configs/gpt2_124m.py --data_source=python \
+        --data_dir="$DATA" --out_dir="$WORK/profile" --resume=false "${PROFILE[@]}" ${TRAIN_ARGS:-}
+    summarize profile "$OUT/profile.log"
+}
+
+PARTS=(versions shards adamw llmc muon ro best full profile)
+EXTRA=(fused qkv gelu expandable test_cuda sm75 b128 hellaswag ladder autotune maxautotune)
 
 [ $# -gt 0 ] || set -- "${PARTS[@]}"
 for name in "$@"; do  # every name checked before anything runs
@@ -376,7 +496,8 @@ done
 note "== dev/gpu_session.sh $*${SMOKE:+ (smoke run, CPU)}: at most $LEASE_S s =="
 for name in "$@"; do
     case $name in
-        adamw | muon | sm75 | b128 | autotune | maxautotune | llmc) [ -f "$DATA/manifest.json" ] || shards ;;
+        versions | shards | test_cuda | hellaswag | ladder) ;;
+        *) [ -f "$DATA/manifest.json" ] || shards ;;  # every part that trains
     esac
     "$name" || true
 done

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from gpt2train import precision
 from gpt2train.fileio import UserError
+from gpt2train.kernels import GELU_IMPLS, QKV_IMPLS
 from gpt2train.loss import LOSS_IMPLS
 
 
@@ -126,6 +127,9 @@ class Config:
                              # sm7x/P100, else fp32
     compile: str = "auto"  # torch.compile: auto = the plan's choice (on for sm70+ GPUs), true,
                            # false
+    compile_mode: str = "default"  # torch.compile's mode where the run compiles: default,
+                                   # reduce-overhead (CUDA graphs; CUDA only) or
+                                   # max-autotune-no-cudagraphs (kernels autotuned: minutes more)
     compile_cache_dir: str = "auto"  # torch.compile's caches: auto = <out_dir>/../.compile_cache,
                                      # "" = /tmp, a folder
     seed: int = 1337  # the run's random seed (initial weights, samples)
@@ -140,6 +144,16 @@ class Config:
                              # logits where compiled and they fit, else chunked; full, chunked,
                              # fused (one Triton pass over the logits, in place; CPU: only under
                              # TRITON_INTERPRET=1)
+    expandable_segments: bool = False  # CUDA: the caching allocator grows its segments in place
+                                       # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): less
+                                       # reserved beyond what is allocated
+    # kernel layouts: levers the GPU session times (dev/gpu_session.sh), the defaults until a lease
+    # shows one faster (gpt2train/kernels.py)
+    qkv_impl: str = "fused"  # c_attn: one matmul for q, k, v; "split": a matmul each on its rows
+                             # (no cat of their gradients in backward)
+    gelu_impl: str = "pointwise"  # the MLP's GELU: its own kernel; "epilogue": in the c_fc GEMM on
+                                  # CUDA, its input recomputed in backward (one GEMM more, the
+                                  # (B, T, 4C) pre-activation never kept)
 
 
 CHOICES = {
@@ -149,8 +163,11 @@ CHOICES = {
     "plan": ("auto", *precision.EMULATED_PLANS),
     "precision": precision.PRECISIONS,
     "compile": ("auto", "true", "false"),
+    "compile_mode": precision.COMPILE_MODES,
     "activation_checkpointing": ("none", "blocks", "every_other"),
     "loss_impl": ("auto", *LOSS_IMPLS),
+    "qkv_impl": QKV_IMPLS,
+    "gelu_impl": GELU_IMPLS,
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -314,6 +331,10 @@ def validate(cfg):
                         f"{cfg.cooldown_frac:g} (0.2 is usual)")
     if cfg.muon_momentum >= 1:
         raise UserError(f"muon_momentum must be below 1, got {cfg.muon_momentum:g} (0.95 is usual)")
+    if cfg.fsdp and cfg.compile_mode == "reduce-overhead":
+        raise UserError("compile_mode=reduce-overhead replays CUDA graphs over fixed memory, but "
+                        "fsdp=true gathers the weights into fresh memory every step: use "
+                        "compile_mode=default with fsdp")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
     if os.path.isfile(cfg.out_dir):

@@ -194,6 +194,15 @@ def step_row(step, stepped, lrs, dt, tok_per_s):
     return row
 
 
+def fmt_mfu(mfu, mfu_llmc):
+    """The step line's MFU: ours (PaLM's count, model.flops_per_token) and, beside it, llm.c's
+    (model.llmc_flops_per_token) against the same peak, so that its step line compares; n/a where
+    the GPU's peak is unknown."""
+    if mfu is None:
+        return "n/a"
+    return f"{mfu * 100:.1f}% (llm.c's count {mfu_llmc * 100:.1f}%)"
+
+
 def fmt_lrs(lrs):
     """The base lrs on the console: AdamW's, or "adamw X muon Y" when there are two."""
     return f"adamw {lrs[0]:.2e} muon {lrs[1]:.2e}" if len(lrs) > 1 else f"{lrs[0]:.2e}"

@@ -9,6 +9,7 @@ How the estimate counts: docs/benchmarks.md#how-the-estimate-counts; reports: be
 """
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -23,7 +24,7 @@ from gpt2train.logger import print0, warn0
 from gpt2train.loss import (CE_CHUNK_ROWS, full_head_bytes, fused_head_bytes, fused_probe,
                             loss_chunk_rows, loss_head_temp_bytes)
 from gpt2train.optim import train_step
-from gpt2train.precision import (available_ram, compile_model, compiles, free_memory,
+from gpt2train.precision import (ALLOC_CONF, available_ram, compile_model, compiles, free_memory,
                                  fsdp_param_dtype, is_oom, synchronize)
 
 
@@ -203,17 +204,27 @@ def memory_summary(model, optimizers, plan, micro_batch=None, seq_len=None):
         step = Step(model.config, seq_len, dtype=plan.dtype, device_type=device_type, fsdp=sharded,
                     activation_checkpointing=ckpt, loss_impl=loss_impl, compiled=plan.compile)
         act, logits = activation_bytes_estimate(step, micro_batch)
-        parts.append(f"activations ~{fmt_bytes(act + logits)} (estimate, {micro_batch}x{seq_len}, "
-                     f"{loss_impl} loss, checkpointing {ckpt})")
+        parts.append(f"activations ~{fmt_bytes(act + logits)} of which logits ~{fmt_bytes(logits)} "
+                     f"(estimate, {micro_batch}x{seq_len}, {loss_impl} loss, checkpointing {ckpt})")
     if device_type == "cuda":
-        alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        parts.append(f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
-                     f"(+{fmt_bytes(reserved - alloc)} cached), "
-                     f"peak allocated {fmt_bytes(torch.cuda.max_memory_allocated(device))}, "
-                     f"peak reserved {fmt_bytes(torch.cuda.max_memory_reserved(device))}")
+        parts.append(allocator_line(device, tensor_bytes(params) + grads + state))
     else:
         parts.append(f"allocator stats n/a on {device_type}")
     return "memory: " + ", ".join(parts)
+
+
+def allocator_line(device, held):
+    """What CUDA's allocator holds: now and at its peak, the peak's share beyond `held` (the
+    parameters, gradients and optimizer state: the step's activations, logits and temporaries) and
+    its slack (reserved beyond allocated at the peak), with the allocator's settings."""
+    alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    peak, peak_reserved = (torch.cuda.max_memory_allocated(device),
+                           torch.cuda.max_memory_reserved(device))
+    conf = os.environ.get(ALLOC_CONF, "")
+    return (f"allocated {fmt_bytes(alloc)}, reserved {fmt_bytes(reserved)} "
+            f"(+{fmt_bytes(reserved - alloc)} cached), peak allocated {fmt_bytes(peak)} "
+            f"(the step's own {fmt_bytes(peak - held)}), peak reserved {fmt_bytes(peak_reserved)} "
+            f"(slack {fmt_bytes(peak_reserved - peak)}), allocator {conf or 'default'}")
 
 
 # -----------------------------------------------------------------------------
@@ -266,7 +277,7 @@ def choose_loss_impl(plan, step, micro_batch):
             raise UserError(f"loss_impl=fused: {why}; use loss_impl=full, chunked or auto")
         return "fused", "loss_impl=fused: one Triton pass over the logits, in place (as asked)"
     if step.loss_impl != "auto":
-        return step.loss_impl, ""
+        return step.loss_impl, f"loss_impl={step.loss_impl} (as asked)"
     on_gpu = plan.device_type == "cuda" and plan.memory
     if on_gpu and (plan.capability or (0,)) >= FUSED_MIN_CAPABILITY and fused_runs(plan.device,
                                                                                   plan.dtype):
@@ -485,10 +496,10 @@ def auto_micro_batch(model, optimizers, plan, step, headroom=0.1, compile_line="
     timed = []  # the model the sizes are timed with: compiled once, at the first (largest) size
 
     def measure(b):
-        if not timed:
+        if not timed:  # the default mode: CUDA graphs' pools would stay from size to size
             if compile_line and plan.compile:  # the run's first compile: a minute of silence else
                 print0(compile_line)
-            compiled = compile_model(model, plan)
+            compiled = compile_model(model, replace(plan, compile_mode="default", cudagraphs=False))
             ok = compiled is model or compiles(compiled, b, T, plan)
             timed.append(compiled if agree(float(ok), "min", plan.device) == 1.0 else model)
         used, seconds = peak(timed[0], b, steps=4)

@@ -422,10 +422,17 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean
     loss. DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the
     first is read before the previous one's backward is queued. Returns the mean loss (a tensor on
-    the device). bar (logger.micro_step_bar) is told of each micro-step done."""
+    the device). bar (logger.micro_step_bar) is told of each micro-step done. Under CUDA graphs
+    (plan.cudagraphs) each micro-step is marked as a new replay and the gradients live outside the
+    graphs' memory (static_grads): a replay overwrites its outputs, and the first micro-step's
+    gradients would be one."""
     loss_accum = torch.zeros((), device=plan.device)
+    if plan.cudagraphs:
+        static_grads(model)
     x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
     for micro_step in range(grad_accum):
+        if plan.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         sync = nullcontext() if not ddp or micro_step == grad_accum - 1 else model.no_sync()
         with sync:
             with autocast(plan):
@@ -443,6 +450,14 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
     return loss_accum
 
 
+def static_grads(model):
+    """Give every trained parameter that has none a zero gradient, allocated here, outside any CUDA
+    graph: backward then adds into it in place (optimizer_step(keep_grads=True) zeroes it)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 @torch.no_grad()
 def evaluate(model, loader, steps, plan, world_size=1, stop_now=lambda: False):
     """The mean loss of model over `steps` batches from the start of loader's split, averaged over
@@ -455,6 +470,8 @@ def evaluate(model, loader, steps, plan, world_size=1, stop_now=lambda: False):
             model.train()
             return None
         x, y = loader.next_batch(plan.device)  # (B, T), (B, T)
+        if plan.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast(plan):
             _, loss = model(x, y)
         total += loss.float()
@@ -512,7 +529,7 @@ def set_lr(optimizers, scale, momentum=None):
 
 
 def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None,
-                   flags=None, momentum=None):
+                   flags=None, momentum=None, keep_grads=False):
     """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's
     lr is set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is
     unscaled (fp16), one clip runs over all parameters, each optimizer steps, the loss scale is
@@ -522,7 +539,8 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
     loss scale is left as it is). flags: a 1-D tensor on the device (the ranks' stop requests) read
     with loss and norm. Where the optimizers allow (skips_on_device) the update is launched before
     the read, so the device never waits for the host. momentum: Muon's at this step (muon_momentum),
-    None: as it is. Returns Stepped, read from the device in one transfer."""
+    None: as it is. keep_grads (CUDA graphs: plan.cudagraphs): the gradients are zeroed in place,
+    not freed. Returns Stepped, read from the device in one transfer."""
     set_lr(optimizers, lr_scale, momentum)
     for opt in optimizers:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
@@ -548,7 +566,7 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
             # skipped: the GradScaler lowers its scale if the gradients held inf/nan
             scaler.update()
     for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not keep_grads)
     why = "" if apply else "outlier"
     if not finite:
         why = "inf/nan loss or gradients"
@@ -572,4 +590,5 @@ def train_step(model, optimizers, scaler, x, y, plan, lr_scale=1.0):
     grad_clip = 1.0
     loss = accumulate_gradients(model, FixedBatch(x, y), 1, plan, scaler)
     params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss)
+    return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss,
+                          keep_grads=plan.cudagraphs)

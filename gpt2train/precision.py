@@ -40,6 +40,9 @@ from gpt2train.logger import warn0
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)
+# torch.compile's modes a run may ask for (compile_mode): "default"; "reduce-overhead", CUDA graphs
+# of the compiled graphs (CUDA only); "max-autotune-no-cudagraphs", GEMM and kernel autotuning
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 CU126_INDEX = "https://download.pytorch.org/whl/cu126"
 MIN_TORCH = (2, 6)  # fully_shard's public import and sdpa_kernel(set_priority=True)
 GiB = 1024 ** 3
@@ -210,6 +213,23 @@ def available_ram():
         return None
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def set_allocator(expandable_segments):
+    """expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF for this process when asked: CUDA's
+    caching allocator then maps more memory into a segment as it grows instead of reserving new
+    blocks of fixed size, so less is reserved beyond what is allocated. Call it before anything
+    touches CUDA (the allocator reads the variable once); the variable's other settings are kept,
+    and one that names expandable_segments itself wins (the user's own). Returns the allocator's
+    settings as they now are, "" for none."""
+    conf = os.environ.get(ALLOC_CONF, "")
+    if expandable_segments and "expandable_segments" not in conf:
+        conf = ",".join(filter(None, [conf, "expandable_segments:True"]))
+        os.environ[ALLOC_CONF] = conf
+    return conf
+
+
 def set_tf32(on):
     """TF32 tensor cores for fp32 matmuls (CUDA sm80+); 'highest' is plain fp32."""
     torch.set_float32_matmul_precision("high" if on else "highest")
@@ -237,6 +257,11 @@ class Plan:
     memory: int = None
     # "sm75" etc. when the plan is another generation's, run on this GPU for testing
     emulated: str = ""
+    # torch.compile's mode where the plan compiles (COMPILE_MODES)
+    compile_mode: str = "default"
+    # the compiled graphs replay as CUDA graphs (compile_mode=reduce-overhead on CUDA): the step
+    # keeps its gradients in place and marks each micro-step (optim.accumulate_gradients)
+    cudagraphs: bool = False
 
     @property
     def device_type(self):
@@ -247,7 +272,10 @@ class Plan:
             return "on" if flag else "off"
         text = f"{dtype_name(self.dtype)} autocast" if self.dtype != torch.float32 else "fp32"
         text += (f", grad scaler {on(self.grad_scaler)}, TF32 {on(self.tf32)}, "
-                 f"compile {on(self.compile)}, attention {'/'.join(self.sdpa_backends) or 'auto'}")
+                 f"compile {on(self.compile)}")
+        if self.compile and self.compile_mode != "default":
+            text += f" ({self.compile_mode}{', CUDA graphs' if self.cudagraphs else ''})"
+        text += f", attention {'/'.join(self.sdpa_backends) or 'auto'}"
         if self.emulated:
             text += f", emulating {self.emulated} ({fmt_gib(self.memory)} GiB)"
         return text
@@ -292,14 +320,31 @@ def cpu_note(plan):
     return ""
 
 
-def make_plan(device, precision="auto", compile="auto", emulate="auto"):
+def compile_mode_note(plan):
+    """A note for a compile_mode that changes nothing here, or "": any mode where the plan does not
+    compile, reduce-overhead (CUDA graphs) off CUDA."""
+    if plan.compile_mode == "default":
+        return ""
+    if not plan.compile:
+        return f"note: compile_mode={plan.compile_mode} has no effect: this run does not compile"
+    if plan.compile_mode == "reduce-overhead" and not plan.cudagraphs:
+        return (f"note: compile_mode=reduce-overhead has no effect on {plan.device_type}: it adds "
+                "CUDA graphs, which are CUDA-only; the model compiles as in the default mode")
+    return ""
+
+
+def make_plan(device, precision="auto", compile="auto", emulate="auto", compile_mode="default"):
     """default_plan() for a resolved device with the user's overrides: precision auto|bf16|fp16|fp32
     and compile auto|true|false (or a bool). fp16 always brings the GradScaler; bf16 below sm80 is
     refused. emulate "smXY" (CUDA only): the plan another GPU generation gets (dtype, scaler,
     attention kernels, compile, memory fit within that card's memory), run on this GPU, so an H100
-    exercises a T4's path."""
+    exercises a T4's path. compile_mode: torch.compile's mode where the plan compiles
+    (COMPILE_MODES); reduce-overhead brings CUDA graphs on CUDA only (inductor's are CUDA's)."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if compile_mode not in COMPILE_MODES:
+        raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}; got "
+                        f"{compile_mode!r}")
     cap = capability(device)
     name = torch.cuda.get_device_name(device) if cap else None
     memory = torch.cuda.get_device_properties(device).total_memory if cap else None
@@ -327,7 +372,8 @@ def make_plan(device, precision="auto", compile="auto", emulate="auto"):
         plan = dataclasses.replace(plan, dtype=torch.float32, grad_scaler=False)
     if compile not in ("auto", None):
         plan = dataclasses.replace(plan, compile=compile in (True, "true"))
-    return plan
+    cudagraphs = plan.compile and compile_mode == "reduce-overhead" and plan.device_type == "cuda"
+    return dataclasses.replace(plan, compile_mode=compile_mode, cudagraphs=cudagraphs)
 
 
 def fsdp_param_dtype(dtype, device_type):
@@ -397,14 +443,23 @@ def compile_note(cache):
             f"later starts reuse {where}")
 
 
-def compile_model(model, plan, backend="inductor", mode=None):
+def compile_model(model, plan, backend="inductor"):
     """torch.compile(model) with static shapes (dynamic=False: eval and HellaSwag batches of other
     shapes get graphs of their own instead of turning the training graph symbolic), or the model
     itself when the plan says no. The loss head is in the model's graph (loss_impl=full) or,
-    chunked, an eager region by design. mode: torch.compile's (bench's max-autotune rung).
-    Compilation happens at the first call: see compiles()."""
+    chunked, an eager region by design. The plan's compile_mode is torch.compile's mode (none for
+    "default"; reduce-overhead only where it brings CUDA graphs); under max-autotune on CUDA the
+    candidate kernels are benchmarked in child processes (inductor's autotune_in_subproc): on an
+    H200 one candidate's illegal memory access in this process took the whole run down (issue
+    43), in a child it costs that child. Compilation happens at the first call: see compiles()."""
     if not plan.compile:
         return model
+    mode = plan.compile_mode
+    if mode == "default" or (mode == "reduce-overhead" and not plan.cudagraphs):
+        mode = None
+    if mode == "max-autotune-no-cudagraphs" and plan.device_type == "cuda":
+        from torch._inductor import config as inductor_config
+        inductor_config.autotune_in_subproc = True
     return torch.compile(model, dynamic=False, backend=backend, mode=mode)
 
 
@@ -496,6 +551,7 @@ def compiles(step_model, micro_batch, seq_len, plan):
     problem. Later failures fall back to eager per graph (torch._dynamo's suppress_errors). The
     gradients are dropped."""
     torch._dynamo.config.suppress_errors = False  # the probe must see the failure
+    skips = cudagraph_skips()
     x = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=plan.device)  # (B, T)
     # (B, T), not x: no aliasing guard
     y = torch.ones(micro_batch, seq_len, dtype=torch.long, device=plan.device)
@@ -520,7 +576,17 @@ def compiles(step_model, micro_batch, seq_len, plan):
     for why in graph_breaks():
         warn0(f"torch.compile: a graph break in the model ({why}): it runs as several graphs "
               "with eager code between them")
+    if plan.cudagraphs and cudagraph_skips() > skips:
+        warn0(f"torch.compile: compile_mode=reduce-overhead, but inductor kept "
+              f"{cudagraph_skips() - skips} graph(s) out of CUDA graphs (TORCH_LOGS=cudagraphs "
+              "says why): those run as in the default mode")
     return True
+
+
+def cudagraph_skips():
+    """How many compiled graphs inductor has kept out of CUDA graphs so far in this process."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
 
 
 def is_oom(e):

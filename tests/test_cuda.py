@@ -218,6 +218,48 @@ def test_resume_on_gpu_continues_the_run(tmp_path):
     assert torch.is_tensor(wa["rng"]["cuda"])  # one GPU generator: resumable with any number of GPUs
 
 
+def test_reduce_overhead_trains_like_eager_with_accumulation(tmp_path, capsys):
+    """compile_mode=reduce-overhead: the compiled micro-steps replay as CUDA graphs over 2 accumulation steps and
+    the evals; the gradients accumulate into buffers outside the graphs (a replay must not overwrite them), so the
+    run's losses are the eager run's; inductor kept no graph out of CUDA graphs."""
+    data = write_shards(str(tmp_path / "data"))
+    eager, graphs = str(tmp_path / "eager"), str(tmp_path / "graphs")
+    args = dict(device="cuda", precision="fp32", max_steps=4, eval_interval=2, checkpoint_interval=0)
+    assert main(tiny_args(data, eager, compile="false", **args)) == 0
+    capsys.readouterr()
+    try:
+        assert main(tiny_args(data, graphs, compile="true", compile_mode="reduce-overhead", **args)) == 0
+    finally:
+        torch._dynamo.reset()
+    printed = capsys.readouterr().out
+    assert "compile on (reduce-overhead, CUDA graphs)" in printed and "warning" not in printed, printed
+    a, b = step_losses(eager), step_losses(graphs)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3] and all(abs(a[s] - b[s]) < 2e-3 for s in a), (a, b)
+
+def test_the_kernel_layouts_on_the_gpu_give_the_default_loss_and_gradients():
+    """gelu_impl=epilogue (cuBLASLt's GELU epilogue through torch._addmm_activation: the tanh GELU, as the model's)
+    and qkv_impl=split, compiled as the trainer compiles, in the GPU's plan: one graph, the default layout's loss
+    and gradients within the dtype's rounding."""
+    plan = precision.make_plan("cuda:0")
+    x, y = counting_batch(4, 128)
+    results = []
+    for runtime in ({}, dict(gelu_impl="epilogue", qkv_impl="split")):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = GPT(SMALL, loss_impl="full").cuda().set_runtime(**runtime)
+        compiled = precision.compile_model(model, plan)
+        assert precision.compiles(compiled, 4, 128, plan) and not precision.graph_breaks()
+        with precision.autocast(plan):
+            _, loss = compiled(x, y)
+        loss.backward()
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()]))
+    torch._dynamo.reset()
+    (l0, g0), (l1, g1) = results
+    tol = 2e-2 if plan.dtype != torch.float32 else 1e-4
+    assert abs(l0 - l1) <= tol * abs(l0), (l0, l1)
+    assert all((a - b).abs().max() <= tol * a.abs().max() for a, b in zip(g0, g1))
+
 def test_torchrun_on_one_gpu_equals_one_process(tmp_path):
     """torchrun with one worker on the GPU: NCCL for the training collectives (the loss and stop requests'
     all_reduce), gloo for the start-up waits; the run equals the plain process's."""

@@ -102,6 +102,20 @@ def test_memory_summary_counts_the_tensors_on_cpu():
     assert "\n" not in line
 
 
+def test_allocator_line_splits_the_peak(monkeypatch):
+    """The CUDA allocator's part of the memory line: the peak's share beyond the parameters, gradients and
+    optimizer state (the step's activations, logits, temporaries), the slack reserved beyond the peak allocated,
+    and the allocator's settings, from the allocator's own counters."""
+    GiB = 2**30
+    for name, value in (("memory_allocated", 3 * GiB), ("memory_reserved", 5 * GiB),
+                        ("max_memory_allocated", 40 * GiB), ("max_memory_reserved", 46 * GiB)):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, v=value: v)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    line = memory.allocator_line("cuda:0", 2 * GiB)
+    assert line == ("allocated 3.0 GiB, reserved 5.0 GiB (+2.0 GiB cached), peak allocated 40.0 GiB (the step's "
+                    "own 38.0 GiB), peak reserved 46.0 GiB (slack 6.0 GiB), allocator expandable_segments:True")
+
+
 def test_fmt_bytes():
     values = (None, 512, 2048, 3 * 2**20, 5 * 2**30)
     assert [memory.fmt_bytes(v) for v in values] == ["n/a", "512 B", "2.0 KiB", "3.0 MiB", "5.0 GiB"]

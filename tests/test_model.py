@@ -15,7 +15,7 @@ from gpt2train.fileio import UserError
 from gpt2train.loss import CE_CHUNK_ROWS
 import model as model_py
 from export import save_hf
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, flops_per_token, llmc_flops_per_token
 
 
 def hf_logits(path, idx):
@@ -191,6 +191,23 @@ def test_flops_per_token_124m():
     assert sum(p.numel() for p in model.parameters()) == 124_475_904
     assert model.num_params() == 123_689_472
     assert flops_per_token(model, 1024) == 855_383_040  # 6 x 123,689,472 + 12 x 12 x 12 x 64 x 1024
+
+
+def test_mfu_as_llmc_counts_it_on_the_h200():
+    """llm.c's count (train_gpt2.cu: 6N + 6 L C T, N = every parameter, 124,475,904 at vocab 50304) against the same
+    dense bf16 peak (989.4 TFLOP/s: llm.c's mfu.h has the H100 SXM's, patched in for the H200): by hand,
+    6 x 124,475,904 + 6 x 12 x 768 x 1024 = 803,478,528. On the H200 of 2026-11-28 ours printed 46.3% at 535,450
+    tok/s, which llm.c's count makes 43.5%; llm.c printed 46.8% at 575,748 tok/s, which this reproduces."""
+    from gpt2train.logger import fmt_mfu
+    from gpt2train.precision import estimate_mfu
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50304))
+    assert llmc_flops_per_token(model, 1024) == 803_478_528
+    ours, theirs = (estimate_mfu(f, 535_450, "NVIDIA H200", torch.bfloat16) for f in
+                    (flops_per_token(model, 1024), llmc_flops_per_token(model, 1024)))
+    assert round(ours * 100, 1) == 46.3 and round(theirs * 100, 1) == 43.5
+    assert round(estimate_mfu(803_478_528, 575_748, "NVIDIA H200", torch.bfloat16) * 100, 1) == 46.8
+    assert fmt_mfu(ours, theirs) == "46.3% (llm.c's count 43.5%)" and fmt_mfu(None, None) == "n/a"
 
 
 def test_from_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ step (accumulate_gradients, optimizer_step): accumulation, skipping a non-finite
     python -m pytest -q tests/test_optim.py
 """
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -414,6 +415,55 @@ def test_accumulated_gradients_equal_one_big_batch(data_dir):
     optim.accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, CPU, scaler, ddp=False)
     for (name, p), q in zip(small.named_parameters(), big.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
+
+
+def test_cuda_graph_steps_keep_their_gradients_and_mark_each_micro_step(data_dir, monkeypatch):
+    """compile_mode=reduce-overhead (plan.cudagraphs): a replay overwrites its outputs, so the gradients live in
+    buffers made outside the graphs before the first backward and are zeroed in place, never freed; each
+    micro-step and each eval batch is marked as a new replay. The bookkeeping, run here on the CPU's eager path,
+    gives the losses, gradients and weights of the plain step."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    runs = {}
+    for graphs in (False, True):
+        plan = dataclasses.replace(CPU, cudagraphs=graphs)
+        model = tiny_model()
+        opt = adamw(model)
+        params = list(model.parameters())
+        loader, grads, losses = TokenLoader(data_dir, "train", 2, 16), [], []
+        for _ in range(3):
+            loss = optim.accumulate_gradients(model, loader, 4, plan, scaler)
+            grads.append([p.grad.clone() for p in params])
+            held = [p.grad for p in params]
+            losses.append(optim.optimizer_step([opt], scaler, params, 1.0, 1.0, loss,
+                                               keep_grads=plan.cudagraphs).loss)
+            assert all(p.grad is g for p, g in zip(params, held)) if graphs else all(p.grad is None for p in params)
+            if graphs:
+                assert all(not p.grad.any() for p in params)  # zeroed in place for the next step
+        val = optim.evaluate(model, TokenLoader(data_dir, "val", 2, 16), 2, plan)
+        runs[graphs] = losses, grads, [p.detach().clone() for p in params], val
+        assert len(marks) == (3 * 4 + 2 if graphs else 0)
+    (l0, g0, w0, v0), (l1, g1, w1, v1) = runs[False], runs[True]
+    assert l0 == l1 and v0 == v1
+    assert all(torch.equal(a, b) for step0, step1 in zip(g0, g1) for a, b in zip(step0, step1))
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def test_cuda_graph_gradients_are_made_before_the_first_backward():
+    """The gradients a CUDA graph's backward adds into exist before it runs (static_grads), zero, and are the
+    ones the step ends with: none is the first backward's own output."""
+    model, plan = tiny_model(), dataclasses.replace(CPU, cudagraphs=True)
+    made = {}
+
+    def first_backward(module, grad_input, grad_output):
+        made.setdefault("grads", [p.grad for p in model.parameters()])
+    model.transformer.ln_f.register_full_backward_hook(first_backward)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan,
+                               torch.amp.GradScaler("cpu", enabled=False))
+    assert all(g is not None for g in made["grads"])
+    assert all(p.grad is g for p, g in zip(model.parameters(), made["grads"]))
 
 
 def adamw_step(model, optimizer, scaler, loss, grad_clip=1.0):

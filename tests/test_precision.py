@@ -88,6 +88,62 @@ def test_compile_override_and_bad_names(monkeypatch):
             precision.resolve_device(bad)
 
 
+@pytest.mark.parametrize("device,compile_,mode,cudagraphs,note", [
+    ("cuda:0", "auto", "reduce-overhead", True, ""),
+    ("cuda:0", "auto", "max-autotune-no-cudagraphs", False, ""),
+    ("cuda:0", "false", "reduce-overhead", False, "has no effect: this run does not compile"),
+    ("cpu", "true", "reduce-overhead", False, "has no effect on cpu: it adds CUDA graphs, which are CUDA-only"),
+    ("cpu", "true", "max-autotune-no-cudagraphs", False, ""),
+    ("cpu", "auto", "default", False, ""),
+])
+def test_compile_mode_is_the_plans(monkeypatch, device, compile_, mode, cudagraphs, note):
+    """compile_mode is validated once, kept on the plan, and brings CUDA graphs only where they run: a compiled
+    plan on CUDA; elsewhere reduce-overhead is accepted and said (one note) to change nothing."""
+    fake_gpu(monkeypatch, (9, 0))
+    plan = make_plan(device, compile=compile_, compile_mode=mode)
+    assert (plan.compile_mode, plan.cudagraphs) == (mode, cudagraphs)
+    said = precision.compile_mode_note(plan)
+    assert note in said and bool(note) == bool(said)
+    assert ("CUDA graphs" in plan.describe()) == cudagraphs
+    with pytest.raises(UserError, match="compile_mode must be one of default, reduce-overhead, "
+                                        "max-autotune-no-cudagraphs; got 'max-autotune'"):
+        make_plan(device, compile_mode="max-autotune")
+
+
+@pytest.mark.parametrize("device,mode,passed,subproc", [
+    ("cuda:0", "default", None, False), ("cuda:0", "reduce-overhead", "reduce-overhead", False),
+    ("cuda:0", "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", True),
+    ("cpu", "reduce-overhead", None, False),  # no CUDA graphs off CUDA: compiled as the default mode
+    ("cpu", "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", False),
+])
+def test_compile_model_passes_the_mode(monkeypatch, device, mode, passed, subproc):
+    """torch.compile gets the plan's mode (None for default); under max-autotune on CUDA inductor benchmarks its
+    candidate kernels in child processes, where one that crashes (an illegal memory access on the H200) costs
+    the child, not the run."""
+    import torch._inductor.config as inductor_config
+    fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(inductor_config, "autotune_in_subproc", False)
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
+    compile_model(tiny_model(n_embd=16), make_plan(device, compile="true", compile_mode=mode))
+    assert seen["mode"] == passed and seen["dynamic"] is False
+    assert inductor_config.autotune_in_subproc is subproc
+
+
+@pytest.mark.parametrize("before,asked,after", [
+    (None, False, None), (None, True, "expandable_segments:True"),
+    ("max_split_size_mb:512", True, "max_split_size_mb:512,expandable_segments:True"),  # the user's others kept
+    ("expandable_segments:False", True, "expandable_segments:False"),  # the user's own word wins
+])
+def test_expandable_segments_is_set_for_cuda_s_allocator(monkeypatch, before, asked, after):
+    if before is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+    assert precision.set_allocator(asked) == (after or "")
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == after
+
+
 def test_resolve_device_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(precision, "nvidia_driver", lambda *a: "")  # no GPU either (tests/test_no_silent_cpu.py: one)

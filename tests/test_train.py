@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2train import optim
 from gpt2train.config import Config, parse_args
@@ -83,6 +84,75 @@ def test_fp16_run_on_cpu(data_dir, straight, tmp_path):
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
+def test_a_compile_mode_that_changes_nothing_here_says_so(data_dir, straight, tmp_path, capsys):
+    """compile_mode=reduce-overhead where nothing compiles (CPU, eager): accepted, one note says it changes
+    nothing, and the run is the default mode's step for step; config.json keeps what was asked."""
+    out = str(tmp_path)
+    capsys.readouterr()
+    assert main(straight_args(data_dir, out, compile_mode="reduce-overhead", checkpoint_interval=0)) == 0
+    printed = capsys.readouterr().out
+    assert "note: compile_mode=reduce-overhead has no effect: this run does not compile" in printed
+    assert step_losses(out) == step_losses(straight)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["resolved"]["compile_mode"] == "reduce-overhead"
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the C++ scalar reads (aten._local_scalar_dense: .item(), bool(t), float(t)) of the ops run under
+    it: on a GPU each waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loop_reads_the_device_once_a_step(data_dir, tmp_path, monkeypatch):
+    """train_gpt2's loop (the micro-steps from the trainer's loader, the step, its line and log row, the guard,
+    the stop checks; evals off) reads values from the device once a step: optimizer_step's one transfer of loss,
+    norm and the ranks' asks. Counted on the CPU between one step line and the next: every .tolist(), .cpu() and
+    .numpy() call and every scalar read, with AdamW fused as on CUDA (the CPU's foreach AdamW reads its step
+    counts on the host: on CUDA the trainer runs the fused one, which reads nothing)."""
+    import train_gpt2
+    reads, counts = DeviceReads(), []
+    calls = {"n": 0}
+    for name in ("tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls["n"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    build = optim.build_optimizers
+    monkeypatch.setattr(optim, "build_optimizers", lambda *a, **k: build(*a, **{**k, "fused": True}))
+    log_step = train_gpt2.log_step
+
+    def counting_log_step(*args, **kwargs):
+        counts.append(reads.reads + calls["n"])
+        log_step(*args, **kwargs)
+    monkeypatch.setattr(train_gpt2, "log_step", counting_log_step)
+    with reads:
+        assert main(tiny_args(data_dir, str(tmp_path), max_steps=5, eval_interval=0, checkpoint_interval=0)) == 0
+    assert len(counts) == 5 and [b - a for a, b in zip(counts, counts[1:])] == [1] * 4, counts
+
+
+def test_expandable_segments_is_set_before_cuda_starts(data_dir, tmp_path, monkeypatch):
+    """expandable_segments=true: PYTORCH_CUDA_ALLOC_CONF says so before the device is even resolved (CUDA's
+    allocator reads it once, at its first allocation)."""
+    import train_gpt2
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    seen = []
+    resolve = train_gpt2.precision.resolve_device
+    monkeypatch.setattr(train_gpt2.precision, "resolve_device",
+                        lambda *a: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")) or resolve(*a))
+    args = tiny_args(data_dir, str(tmp_path), max_steps=1, eval_interval=0, checkpoint_interval=0)
+    assert main(args + ["--expandable_segments=true"]) == 0
+    assert seen == ["expandable_segments:True"]
+
+
 def test_same_global_batch_same_run(data_dir, straight, tmp_path):
     """micro-batch 2 x 2 accumulation steps and micro-batch 4 x 1 step: the same optimizer steps."""
     out = str(tmp_path)
@@ -152,6 +222,10 @@ BAD_INPUTS = [  # (extra args, or a function of tmp_path giving them; what the l
     (lambda t: [f"--init_from={bad_config(t, 'not a checkpoint')}"],
      "bad.py is not a readable train_gpt2.py checkpoint"),
     (["--precision=bf16", "--device=cuda"], "sees no CUDA GPU"),
+    (["--compile_mode=max-autotune"], "compile_mode must be one of default, reduce-overhead, "
+                                      "max-autotune-no-cudagraphs; got 'max-autotune'"),
+    (["--fsdp=true", "--compile_mode=reduce-overhead"], "compile_mode=reduce-overhead replays CUDA graphs over "
+                                                        "fixed memory, but fsdp=true gathers the weights"),
 ]
 
 
