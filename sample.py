@@ -43,6 +43,22 @@ def generate_tokens(model, prompt_ids, max_new_tokens, plan, **sampling):
             return
 
 
+def sample_batch(model, plan, prompt, num_samples, max_new_tokens, seed):
+    """num_samples top-k (50) continuations of prompt at once (an empty one: a new document, after
+    <|endoftext|>), the trainer's periodic samples: a generator of their own, seeded afresh each
+    time, so that sampling never moves the training RNG (resumed runs stay bit-exact)."""
+    enc = get_encoding()
+    ids = enc.encode_ordinary(prompt) or [EOT]
+    idx = torch.tensor(ids, dtype=torch.long, device=plan.device)
+    idx = idx.unsqueeze(0).repeat(num_samples, 1)  # (num_samples, T0)
+    gen = torch.Generator(device=plan.device).manual_seed(seed)
+    model.eval()
+    with precision.autocast(plan):
+        out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen)
+    model.train()
+    return [enc.decode(row.tolist()) for row in out]
+
+
 def stream_text(enc, token_ids):
     """Yield the text of token_ids piece by piece. A character split across tokens (emoji, CJK) is
     held back until complete, so the pieces join to exactly enc.decode(token_ids)."""

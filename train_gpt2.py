@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
+import sample
 from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
 from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
 from gpt2train.config import parse_args
@@ -158,13 +159,8 @@ def setup(cfg, given, env, lock):
     startup = distributed.init(env, device, cfg.dist_timeout)  # None without torchrun
     plan = precision.make_plan(device, cfg.precision, cfg.compile, cfg.plan, cfg.compile_mode)
     precision.set_tf32(plan.tf32)
-    where = device
-    if plan.capability:
-        where = f"{device} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})"
-    print0(f"torch {torch.__version__} | device {where} x {env.world_size} | {plan.describe()}")
-    for note in (precision.cpu_note(plan), precision.compile_mode_note(plan)):
-        if note:
-            print0(note)
+    for line in precision.start_lines(plan, env.world_size):  # the path this device got, said
+        print0(line)
 
     # out_dir and the resume decision, before anything slow (a finished run: nothing to do)
     out_dir, ckpt, overrides = checkpoint.resume_point(cfg, given, env, device, lock)
@@ -181,11 +177,7 @@ def setup(cfg, given, env, lock):
     # model, optimizers, loss scaler: fresh or from the checkpoint
     torch.manual_seed(cfg.seed)
     raw_model, off = place_model(cfg, given, ckpt, plan, env)
-    optimizers = optim.build_optimizers(
-        raw_model, cfg.optimizer, lr=cfg.max_lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr,
-        muon_momentum=cfg.muon_momentum, muon_split_qkv=cfg.muon_split_qkv,
-        embed_lr_mult=cfg.embed_lr_mult, scalar_lr_mult=cfg.scalar_lr_mult,
-        device_type=plan.device_type, ns_dtype=optim.ns_dtype_for(plan.dtype, plan.device_type))
+    optimizers = optim.optimizers_for(raw_model, cfg, plan)
     scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)  # off: a no-op
 
     # the micro-batch (and on small GPUs seq_len): from here on B x T is the one that runs
@@ -513,14 +505,14 @@ def run_evals(run, step, last, progress):
     after them; return the stop signal that cut an evaluation short (nothing of it logged), else
     0."""
     cfg, phase, runlog, env = run.cfg, progress.phase, progress.runlog, run.env
-    stop_now = lambda: stop_signal(progress, run.plan.device) > 0  # noqa: E731
+    stop_now = lambda: distributed.agreed_signal(progress.signals, run.plan.device) > 0  # noqa: E731
     progress.phase = "eval" if phase == "step" else phase
     try:
         if due(cfg.eval_interval, step, last):
             val_loss = optim.evaluate(run.model, run.val_loader, cfg.val_steps, run.plan,
                                       env.world_size, stop_now)
             if val_loss is None:  # every rank stopped at the same batch: each asks alike
-                return stop_signal(progress, run.plan.device)
+                return distributed.agreed_signal(progress.signals, run.plan.device)
             print0(f"step {step:6d} | val loss {val_loss:.4f}")
             runlog and runlog.write({"step": step, "val_loss": val_loss})
         if run.hellaswag and due(cfg.hellaswag_interval, step, last):
@@ -528,7 +520,7 @@ def run_evals(run, step, last, progress):
             res = hellaswag.evaluate(run.model, examples, plan=run.plan, progress=env.master,
                                      stop=None if env.ddp else stop_now)  # (ranks: other batches)
             if res.get("stopped"):
-                return stop_signal(progress, run.plan.device)
+                return distributed.agreed_signal(progress.signals, run.plan.device)
             print0(f"step {step:6d} | HellaSwag acc {res['acc']:.4f} "
                    f"acc_norm {res['acc_norm']:.4f} ({res['n']} examples)")
             runlog and runlog.write({"step": step, "hellaswag_acc": res["acc"],
@@ -543,36 +535,12 @@ def run_evals(run, step, last, progress):
     return 0
 
 
-def stop_signal(progress, device):
-    """The stop signal caught by any rank (the largest number over the ranks; 0: none). Under
-    torchrun a signal may reach one rank only: the others learn of it here, in an evaluation, as
-    they do from the step's all_reduce after a step (guard.Asks)."""
-    mine = progress.signals[0] if progress.signals else 0
-    return int(agree(float(mine), "max", device))
-
-
 def print_samples(run, step, last):
     if run.env.master and step > 0 and due(run.cfg.sample_interval, step, last):
-        for text in sample(run):
+        cfg = run.cfg  # the training RNG never moves: sample.py's batch has a generator of its own
+        for text in sample.sample_batch(run.raw_model, run.plan, cfg.sample_prompt,
+                                        cfg.num_samples, cfg.sample_tokens, cfg.seed + 42):
             print0(f"sample: {text!r}")
-
-
-def sample(run):
-    """num_samples top-k continuations of the prompt (an empty one: a new document, after
-    <|endoftext|>, as sample.py). Uses its own generator, seeded afresh each time, so sampling never
-    moves the training RNG (and resumed runs stay bit-exact)."""
-    from gpt2train.tokenizer import EOT, get_encoding
-    cfg, device, enc = run.cfg, run.plan.device, get_encoding()
-    ids = enc.encode_ordinary(cfg.sample_prompt) or [EOT]
-    idx = torch.tensor(ids, dtype=torch.long, device=device)
-    idx = idx.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T0)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 42)
-    run.raw_model.eval()
-    with precision.autocast(run.plan):
-        out = run.raw_model.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50,
-                                     generator=gen)
-    run.raw_model.train()
-    return [enc.decode(row.tolist()) for row in out]
 
 
 if __name__ == "__main__":

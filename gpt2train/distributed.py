@@ -147,6 +147,14 @@ def restart_failure_line(e, rank):
             "from the newest checkpoint")
 
 
+def agreed_signal(signals, device):
+    """The stop signal caught by any rank (the largest number over the ranks; 0: none), from this
+    rank's caught signals. Under torchrun a signal may reach one rank only: the others learn of it
+    here, in an evaluation, as they do from the step's all_reduce after a step (guard.Asks)."""
+    mine = signals[0] if signals else 0
+    return int(agree(float(mine), "max", device))
+
+
 def teardown():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -320,6 +320,15 @@ def build_optimizers(model, optimizer="adamw", device_type="cpu", ns_dtype=torch
 # the schedule: one multiplier of every optimizer's base lr
 
 
+def optimizers_for(model, cfg, plan):
+    """build_optimizers with the run's config keys, on the plan's device (the trainer's)."""
+    return build_optimizers(
+        model, cfg.optimizer, lr=cfg.max_lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum, muon_split_qkv=cfg.muon_split_qkv,
+        embed_lr_mult=cfg.embed_lr_mult, scalar_lr_mult=cfg.scalar_lr_mult,
+        device_type=plan.device_type, ns_dtype=ns_dtype_for(plan.dtype, plan.device_type))
+
+
 def lr_multiplier(step, cfg, max_steps=None):
     """Linear warmup to 1 over warmup_steps, then down to min_lr / max_lr at max_steps by
     cfg.lr_schedule: cosine (build-nanogpt's), linear, or wsd (flat, then linear over the last

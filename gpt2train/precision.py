@@ -320,6 +320,16 @@ def cpu_note(plan):
     return ""
 
 
+def start_lines(plan, world_size):
+    """The run's first line (torch, the device and its compute capability, the plan: how to check
+    which precision path a GPU got), then the plan's notes."""
+    where = plan.device
+    if plan.capability:
+        where = f"{where} ({plan.device_name}, sm{plan.capability[0]}{plan.capability[1]})"
+    first = f"torch {torch.__version__} | device {where} x {world_size} | {plan.describe()}"
+    return [line for line in (first, cpu_note(plan), compile_mode_note(plan)) if line]
+
+
 def compile_mode_note(plan):
     """A note for a compile_mode that changes nothing here, or "": any mode where the plan does not
     compile, reduce-overhead (CUDA graphs) off CUDA."""

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2train import distributed
 from gpt2train import optim
 from gpt2train import guard
 from conftest import ROOT, assert_same_state, load_ckpt, straight_args
-import train_gpt2
 from train_gpt2 import main
 
 ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the same threads as the in-process runs
@@ -224,7 +224,8 @@ def test_a_peers_signal_heard_in_an_eval_stops_this_rank_with_it(data_dir, strai
     of signals: IndexError, seen under torchrun in test_torchrun_one_rank_signalled_all_stop_at_one_step)."""
     out = copy_run(straight, tmp_path / "run", ["ckpt_000002.pt"], log=False)  # trains step 2, evaluates at 3
     peer = float(signal.SIGTERM)
-    monkeypatch.setattr(train_gpt2, "agree", lambda value, op, device: max(value, peer) if op == "max" else value)
+    monkeypatch.setattr(distributed, "agree",  # the eval's stop check: distributed.agreed_signal's
+                        lambda value, op, device, group=None: max(value, peer) if op == "max" else value)
     assert main(straight_args(data_dir, out, resume="true")) == 128 + signal.SIGTERM
     stdout = capsys.readouterr().out
     assert "SIGTERM: stopped after step 2 (in the evaluation at step 3), saved" in stdout, stdout[-2000:]
