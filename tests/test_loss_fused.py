@@ -82,6 +82,17 @@ def test_rows_that_end_inside_a_block(monkeypatch, block):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernel_takes_contiguous_rows_only():
+    """The kernel reads row r at r x V (loss.py's h @ weight.t() is contiguous): a strided view is refused, not
+    read wrong; the same rows made contiguous give F.cross_entropy's losses."""
+    wide = torch.randn(6, 2 * 97)
+    rows, targets, losses = wide[:, :97], torch.randint(0, 97, (6,)), torch.empty(6)
+    with pytest.raises(AssertionError, match="rows V apart"):
+        loss_kernels.cross_entropy_rows(rows, targets, losses, grad=False)
+    loss_kernels.cross_entropy_rows(rows.contiguous(), targets, losses, grad=False)
+    torch.testing.assert_close(losses, F.cross_entropy(rows, targets, reduction="none"), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_under_bf16_autocast():
     """bf16 logits and dL/dlogits (8 mantissa bits), the softmax in fp32, as autocast's F.cross_entropy."""
     h, w, targets = ce_inputs(N=64, C=32, V=300)
