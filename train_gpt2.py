@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
-from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
+from gpt2train import (checkpoint, data, distributed, logger, memory, microbatch, optim,
+                       precision)
 from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
 from gpt2train.config import parse_args
 from gpt2train.data import TokenLoader
@@ -136,7 +137,7 @@ class Run:
     kept: tuple = ()  # wsd's cooldown starts of the shorter plans this run grew from: never pruned
 
     @property
-    def B(self):  # micro-batch rows per rank (memory.choose_micro_batch): its one home is cfg
+    def B(self):  # micro-batch rows per rank (microbatch.choose_micro_batch): its one home is cfg
         return self.cfg.micro_batch_size
 
     @property
@@ -196,7 +197,7 @@ def setup(cfg, given, env, lock):
                        shrink_seq="seq_len" not in given and ckpt is None)
     asked = None if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     said = precision.compile_note(cache) if plan.compile else ""  # at the first compile: said once
-    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
+    B, T, why, timed = microbatch.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
     if why:
         print0(why)
     step = dataclasses.replace(step, seq_len=T)

@@ -13,8 +13,9 @@ import torch
 from gpt2train import precision
 from gpt2train.distributed import agree
 from gpt2train.ladder import BASELINE, rung_plan, time_steps, where_label
-from gpt2train.memory import free_memory, random_batch
+from gpt2train.microbatch import random_batch
 from gpt2train.optim import train_step
+from gpt2train.precision import free_memory
 
 DDP_ORDERS = ("DDP(compile(model))", "compile(DDP(model))")
 

@@ -33,9 +33,10 @@ import torch
 
 from gpt2train import precision
 from gpt2train.fileio import UserError, replacing
-from gpt2train.memory import fmt_bytes, free_memory, random_batch
+from gpt2train.memory import fmt_bytes
+from gpt2train.microbatch import random_batch
 from gpt2train.optim import train_step
-from gpt2train.precision import is_oom
+from gpt2train.precision import free_memory, is_oom
 
 # -----------------------------------------------------------------------------
 # the rungs: what each one changes, from the precision plan

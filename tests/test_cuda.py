@@ -19,6 +19,7 @@ import hellaswag  # noqa: E402
 from gpt2train import ladder  # noqa: E402
 from gpt2train import loss  # noqa: E402
 from gpt2train import memory  # noqa: E402
+from gpt2train import microbatch  # noqa: E402
 from gpt2train import optim  # noqa: E402
 from gpt2train import precision  # noqa: E402
 from gpt2train.data import TokenLoader  # noqa: E402
@@ -189,14 +190,14 @@ def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
     def compiles(step_model, b, seq_len, plan):
         compiled_at.append(b)
         return precision.compiles(step_model, b, seq_len, plan)
-    monkeypatch.setattr(memory, "compiles", compiles)  # the finder's own name for precision.compiles
+    monkeypatch.setattr(microbatch, "compiles", compiles)  # the finder's own name for precision.compiles
     step = memory.Step(model.config, 256, 256 * 64, dtype=plan.dtype, loss_impl="auto",  # 64 rows: at most 64
                        activation_checkpointing=model.activation_checkpointing)
-    b, reason, timed = memory.auto_micro_batch(model, optimizers, plan, step)
+    b, reason, timed = microbatch.auto_micro_batch(model, optimizers, plan, step)
     assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
     assert len(compiled_at) == 1 and compiled_at[0] >= b, (compiled_at, reason)  # once, at the largest size timed
     assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason
-    x, y = memory.random_batch(b, 256, "cuda:0")
+    x, y = microbatch.random_batch(b, 256, "cuda:0")
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
     assert math.isfinite(optim.train_step(timed, optimizers, scaler, x, y, plan).loss)
     torch._dynamo.reset()
