@@ -33,8 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
-from gpt2train import (checkpoint, data, distributed, logger, memory, microbatch, optim,
-                       precision)
+from gpt2train import checkpoint, data, distributed, logger, memory, microbatch, optim, precision
 from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
 from gpt2train.config import parse_args
 from gpt2train.data import TokenLoader
