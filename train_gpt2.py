@@ -367,6 +367,7 @@ def train(run, argv):
     stop (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
     progress, wrapped = start(run), run.train_model is not run.model  # wrapped: in DDP
+    stepping = optim.Stepping(run.plan, run.scaler, run.optimizers, run.params, cfg.grad_clip)
     notice = (lambda sig: stop_notice(progress, sig, env.ddp)) if env.master else (lambda sig: None)
     code, progress.signals = 0, catch_stop_signals(notice)
     for step in range(run.start_step, cfg.max_steps):
@@ -384,14 +385,13 @@ def train(run, argv):
         t0 = time.time()
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # once a step takes > 5 s
             loss = optim.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum,
-                                              run.plan, run.scaler, wrapped, bar)
+                                              stepping, wrapped, bar)
         asks = stop_asks(progress.signals, progress, cfg.checkpoint_minutes)  # stop? save by clock?
         pooled = distributed.over_ranks(loss, asks.flags(), env)  # DDP: mean loss, asks counted
         outlier = progress.guard.is_outlier if cfg.skip_outliers_z > 0 else None
         stepped = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
-            run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg),
-            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg),
-            keep_grads=run.plan.cudagraphs)
+            stepping, optim.lr_multiplier(step, cfg), pooled.loss, outlier, pooled.counts,
+            optim.muon_momentum(step, cfg))
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
         asks = Asks.read(stepped.flags) if env.ddp else asks  # any rank's: all decide alike
         progress.clock_due = asks.clock_due

@@ -20,7 +20,7 @@ from gpt2train.logger import print0, warn0
 from gpt2train.loss import CE_CHUNK_ROWS
 from gpt2train.memory import (FIT_HEADROOM, Step, fmt_bytes, loss_chunk, param_counts,
                               training_bytes, training_bytes_estimate, use_loss_head)
-from gpt2train.optim import train_step
+from gpt2train.optim import Stepping, train_step
 from gpt2train.precision import (available_ram, compile_model, compiles, free_memory, is_oom,
                                  synchronize)
 
@@ -156,6 +156,7 @@ def probe_steps(model, optimizers, micro_batch, seq_len, plan, steps):
     device = plan.device
     # fp16: skips steps on inf grads
     scaler = torch.amp.GradScaler(plan.device_type, enabled=plan.grad_scaler)
+    stepping = Stepping(plan, scaler, optimizers)  # the trainer's step, clipped at 1.0
     lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
     times = []
     try:
@@ -164,7 +165,7 @@ def probe_steps(model, optimizers, micro_batch, seq_len, plan, steps):
             synchronize(device)
             t0 = time.perf_counter()
             # lr 0: no update, no weight decay
-            train_step(model, optimizers, scaler, x, y, plan, lr_scale=0.0)
+            train_step(model, stepping, x, y, lr_scale=0.0)
             synchronize(device)
             times.append(time.perf_counter() - t0)
     finally:

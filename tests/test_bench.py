@@ -225,7 +225,7 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
             else:
                 assert isinstance(wrapped._orig_mod, DDP) and wrapped._orig_mod.module is model
-            optim.train_step(wrapped, [opt], NO_SCALER, *microbatch.random_batch(2, 16, "cpu"), plan)
+            optim.train_step(wrapped, optim.Stepping(plan, NO_SCALER, [opt]), *microbatch.random_batch(2, 16, "cpu"))
             grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
         rows = ddp_bench.run_ddp(job(plan, 2, 16), force_compile=True, backend="eager")

@@ -94,7 +94,8 @@ def test_estimated_micro_batch_is_the_largest_that_fits():
 def test_memory_summary_counts_the_tensors_on_cpu():
     model = tiny_model(vocab_size=50257)
     opt = adamw(model)
-    optim.train_step(model, [opt], NO_SCALER, *microbatch.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    stepping = optim.Stepping(default_plan("cpu"), NO_SCALER, [opt])
+    optim.train_step(model, stepping, *microbatch.random_batch(2, 16, "cpu"))
     line = memory.memory_summary(model, [opt], default_plan("cpu"), 2, 16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
@@ -288,7 +289,8 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
     assert [g["lr"] for g in opt.param_groups] == lrs
-    optim.train_step(model, [opt], NO_SCALER, *microbatch.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    stepping = optim.Stepping(default_plan("cpu"), NO_SCALER, [opt])
+    optim.train_step(model, stepping, *microbatch.random_batch(2, 16, "cpu"))
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
 
 # -----------------------------------------------------------------------------
