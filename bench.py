@@ -13,8 +13,8 @@ Speed and memory benchmarks for GPT-2 training steps.
 
 Each tool is a file of its own in gpt2train/, read top to bottom: the speed ladder (ladder.py), the
 DDP table (ddp_bench.py), the memory report and the fit table (memory_report.py); the micro-batch
-finder is memory.py's. This file holds the flags, the header, the GPT the tools build (model.py is a
-command: the package gets build and flops_per_token from here) and the dispatch. Never imports
+finder is microbatch.py's. This file holds the flags, the header, the GPT the tools build (model.py
+is a command: the package gets build and flops_per_token from here) and the dispatch. Never imports
 train_gpt2.
 """
 import dataclasses
@@ -31,7 +31,8 @@ from gpt2train.ladder import (BASELINE, Ladder, ladder_table, plot_ladder, requi
                               run_ladder)
 from gpt2train.logger import redirect0
 from gpt2train.loss import LOSS_IMPLS
-from gpt2train.memory import Step, auto_micro_batch, use_loss_head
+from gpt2train.memory import Step, use_loss_head
+from gpt2train.microbatch import auto_micro_batch
 from gpt2train.memory_report import Modes, fit_report, memory_report
 from model import GPT, GPTConfig, PRETRAINED, flops_per_token
 
@@ -150,7 +151,7 @@ def ladder_flags(p):
 
 def mode_flags(p):
     """The other tools, each a mode instead of the ladder, and their flags: --memory (and the fit
-    table's, memory_report.py), --find_batch (memory.py's finder), --ddp (ddp_bench.py)."""
+    table's, memory_report.py), --find_batch (microbatch.py's finder), --ddp (ddp_bench.py)."""
     p.add_argument("--memory", action="store_true", help="memory report instead of the ladder")
     p.add_argument("--loss_impl", default="auto", choices=("auto", *LOSS_IMPLS),
                    help="the loss head (--memory, --find_batch): auto = the trainer's choice")
@@ -253,7 +254,8 @@ def run(args):
 
 
 def find_batch(args, plan):
-    """--find_batch: memory.auto_micro_batch, the trainer's micro_batch_size=auto, on the model."""
+    """--find_batch: the trainer's micro_batch_size=auto (microbatch.auto_micro_batch), on the
+    model."""
     settings = dict(BASELINE, attn="sdpa", vocab=50304, fused=plan.device_type == "cuda",
                     loss=args.loss_impl, ckpt=args.activation_checkpointing)
     raw, _, optimizers = build(settings, args.model, args.micro_batch_size, args.seq_len,

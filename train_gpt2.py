@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plot
 import sample
-from gpt2train import checkpoint, data, distributed, logger, memory, optim, precision
+from gpt2train import checkpoint, data, distributed, logger, memory, microbatch, optim, precision
 from gpt2train.config import asked_and_resolved, changes, check_shape, help_text, oddities
 from gpt2train.config import parse_args
 from gpt2train.data import TokenLoader
@@ -137,7 +137,7 @@ class Run:
     kept: tuple = ()  # wsd's cooldown starts of the shorter plans this run grew from: never pruned
 
     @property
-    def B(self):  # micro-batch rows per rank (memory.choose_micro_batch): its one home is cfg
+    def B(self):  # micro-batch rows per rank (microbatch.choose_micro_batch): its one home is cfg
         return self.cfg.micro_batch_size
 
     @property
@@ -188,7 +188,7 @@ def setup(cfg, given, env, lock):
                        shrink_seq="seq_len" not in given and ckpt is None)
     asked = None if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
     said = precision.compile_note(cache) if plan.compile else ""  # at the first compile: said once
-    B, T, why, timed = memory.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
+    B, T, why, timed = microbatch.choose_micro_batch(raw_model, optimizers, plan, step, asked, said)
     if why:
         print0(why)
     step = dataclasses.replace(step, seq_len=T)
@@ -359,6 +359,7 @@ def train(run, argv):
     stop (a signal, the time limit); then the end of the run (wrap_up). Returns the exit code."""
     cfg, env = run.cfg, run.env
     progress, wrapped = start(run), run.train_model is not run.model  # wrapped: in DDP
+    stepping = optim.Stepping(run.plan, run.scaler, run.optimizers, run.params, cfg.grad_clip)
     notice = (lambda sig: stop_notice(progress, sig, env.ddp)) if env.master else (lambda sig: None)
     code, progress.signals = 0, catch_stop_signals(notice)
     for step in range(run.start_step, cfg.max_steps):
@@ -376,14 +377,13 @@ def train(run, argv):
         t0 = time.time()
         with logger.micro_step_bar(run.grad_accum, env.master) as bar:  # once a step takes > 5 s
             loss = optim.accumulate_gradients(run.train_model, run.train_loader, run.grad_accum,
-                                              run.plan, run.scaler, wrapped, bar)
+                                              stepping, wrapped, bar)
         asks = stop_asks(progress.signals, progress, cfg.checkpoint_minutes)  # stop? save by clock?
         pooled = distributed.over_ranks(loss, asks.flags(), env)  # DDP: mean loss, asks counted
         outlier = progress.guard.is_outlier if cfg.skip_outliers_z > 0 else None
         stepped = optim.optimizer_step(  # the update: every optimizer at base_lr x the schedule
-            run.optimizers, run.scaler, run.params, cfg.grad_clip, optim.lr_multiplier(step, cfg),
-            pooled.loss, outlier, pooled.counts, optim.muon_momentum(step, cfg),
-            keep_grads=run.plan.cudagraphs)
+            stepping, optim.lr_multiplier(step, cfg), pooled.loss, outlier, pooled.counts,
+            optim.muon_momentum(step, cfg))
         dt = time.time() - t0  # optimizer_step read loss and norm from the device: the step is done
         asks = Asks.read(stepped.flags) if env.ddp else asks  # any rank's: all decide alike
         progress.clock_due = asks.clock_due

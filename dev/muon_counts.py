@@ -88,10 +88,11 @@ def extra_reads(precision_name, optimizer):
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     params = [p for p in m.parameters() if p.requires_grad]
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    stepping = optim.Stepping(plan, scaler, opts, params)
 
     def step():
-        loss = optim.accumulate_gradients(m, optim.FixedBatch(x, y), 2, plan, scaler)
-        return optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(m, optim.FixedBatch(x, y), 2, stepping)
+        return optim.optimizer_step(stepping, 1.0, loss)
     step()  # the state and the loss scale exist from here on
     c = Count()
     with c:

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpt2train import data  # noqa: E402
 from gpt2train import optim  # noqa: E402
+from gpt2train import precision  # noqa: E402
 from gpt2train.logger import redirect0  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -108,14 +109,15 @@ def run(scale, kind, lr, muon_lr):
     tokens_per_step = s["B"] * s["T"]
     curve, train_losses, step_ms, opt_ms = [[0, val_loss(model, val, s["val_rows"])]], [], [], []
     scaler, params = torch.amp.GradScaler("cpu", enabled=False), list(model.parameters())
+    stepping = optim.Stepping(precision.default_plan("cpu"), scaler, opts, params)  # fp32, eager
     for step in range(s["steps"]):
         t0 = time.perf_counter()
         x, y = train.next_batch()
         _, loss = model(x, y)
         loss.backward()
         t1 = time.perf_counter()
-        stepped = optim.optimizer_step(opts, scaler, params, 1.0, lr_scale(step, s["steps"], s["warmup"]),
-                                           loss.detach())  # the trainer's step: lrs, clip, update
+        stepped = optim.optimizer_step(stepping, lr_scale(step, s["steps"], s["warmup"]),
+                                       loss.detach())  # the trainer's step: lrs, clip, update
         t2 = time.perf_counter()
         train_losses.append(stepped.loss)
         step_ms.append(1e3 * (t2 - t0))
@@ -134,13 +136,14 @@ def timing(scale, steps=24):
     """ms/step and ms of optimizer.step, adamw and muon alternating step by step (a shared CPU's load hits both)."""
     s = SCALES[scale]
     models, opts, ms = {}, {}, {k: ([], []) for k in ("adamw", "muon")}
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler, plan = torch.amp.GradScaler("cpu", enabled=False), precision.default_plan("cpu")
     for kind in ms:
         torch.manual_seed(SEED)
         models[kind] = GPT(GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
                                      block_size=s["T"], vocab_size=s["vocab_size"]))
         with redirect0(None):
             opts[kind] = optim.build_optimizers(models[kind], kind, lr=1e-3, muon_lr=1e-3)
+    steppings = {kind: optim.Stepping(plan, scaler, opts[kind], list(models[kind].parameters())) for kind in ms}
     x = torch.randint(0, s["vocab_size"], (s["B"], s["T"] + 1), generator=torch.Generator().manual_seed(SEED))
     for step in range(steps + 2):
         for kind in ms:
@@ -148,7 +151,7 @@ def timing(scale, steps=24):
             _, loss = models[kind](x[:, :-1], x[:, 1:])
             loss.backward()
             t1 = time.perf_counter()
-            optim.optimizer_step(opts[kind], scaler, list(models[kind].parameters()), 1.0, 1.0, loss.detach())
+            optim.optimizer_step(steppings[kind], 1.0, loss.detach())
             t2 = time.perf_counter()
             if step >= 2:  # warm-up
                 ms[kind][0].append(1e3 * (t2 - t0))

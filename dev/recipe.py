@@ -151,9 +151,10 @@ def run(name, optimizer, lr, muon_lr, keys, seed, budget=1.0):
     train, tok = ByteText("train", STATE["B"], STATE["T"], seed), STATE["B"] * STATE["T"]
     every = max(1, steps // 20)
     curve, t0 = [[0, val_loss(model, plan)]], time.perf_counter()
+    stepping = optim.Stepping(plan, scaler, opts, params)
     for step in range(steps):
-        loss = optim.accumulate_gradients(model, train, 1, plan, scaler)
-        optim.optimizer_step(opts, scaler, params, 1.0, optim.lr_multiplier(step, cfg), loss,
+        loss = optim.accumulate_gradients(model, train, 1, stepping)
+        optim.optimizer_step(stepping, optim.lr_multiplier(step, cfg), loss,
                              momentum=optim.muon_momentum(step, cfg))  # the trainer's step
         if (step + 1) % every == 0 or step + 1 == steps:
             curve.append([(step + 1) * tok, val_loss(model, plan)])
@@ -425,10 +426,11 @@ def calibrate(steps=4):
         with redirect0(None):
             opts = optim.build_optimizers(model, "muon", lr=1e-3)
         loader, times = ByteText("train", STATE["B"], STATE["T"]), []
+        stepping = optim.Stepping(plan, scaler, opts, list(model.parameters()))
         for i in range(steps + 1):
             t0 = time.perf_counter()
-            loss = optim.accumulate_gradients(model, loader, 1, plan, scaler)
-            optim.optimizer_step(opts, scaler, list(model.parameters()), 1.0, 1.0, loss)
+            loss = optim.accumulate_gradients(model, loader, 1, stepping)
+            optim.optimizer_step(stepping, 1.0, loss)
             if i:  # the first step warms up
                 times.append(time.perf_counter() - t0)
         s, n = statistics.median(times), run_steps(size)

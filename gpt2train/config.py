@@ -171,7 +171,7 @@ CHOICES = {
     "resume": ("false", "true", "auto"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-# int keys that also take "auto": the run decides (memory.choose_micro_batch)
+# int keys that also take "auto": the run decides (microbatch.choose_micro_batch)
 AUTO_INTS = ("micro_batch_size",)
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 # nanoGPT's and build-nanogpt's names for our keys: a did-you-mean that explains the difference

@@ -13,8 +13,9 @@ import torch
 from gpt2train import precision
 from gpt2train.distributed import agree
 from gpt2train.ladder import BASELINE, rung_plan, time_steps, where_label
-from gpt2train.memory import free_memory, random_batch
-from gpt2train.optim import train_step
+from gpt2train.microbatch import random_batch
+from gpt2train.optim import Stepping, train_step
+from gpt2train.precision import free_memory
 
 DDP_ORDERS = ("DDP(compile(model))", "compile(DDP(model))")
 
@@ -59,7 +60,7 @@ def run_ddp(job, force_compile=False, backend="inductor"):
             model = wrap_ddp(raw, order, [device] if device_type == "cuda" else None, backend)
             scaler = torch.amp.GradScaler(device_type, enabled=plan.grad_scaler)
             x, y = random_batch(micro_batch, seq_len, device, seed=1337 + dist.get_rank())
-            step = functools.partial(train_step, model, optimizers, scaler, x, y, plan)
+            step = functools.partial(train_step, model, Stepping(plan, scaler, optimizers), x, y)
             seconds = time_steps(step, device, job.warmup, job.steps)
             ms = 1000 * agree(seconds, "max", device)
             tok_s = world * micro_batch * seq_len / (ms / 1000)

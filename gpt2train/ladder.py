@@ -33,9 +33,10 @@ import torch
 
 from gpt2train import precision
 from gpt2train.fileio import UserError, replacing
-from gpt2train.memory import fmt_bytes, free_memory, random_batch
-from gpt2train.optim import train_step
-from gpt2train.precision import is_oom
+from gpt2train.memory import fmt_bytes
+from gpt2train.microbatch import random_batch
+from gpt2train.optim import Stepping, train_step
+from gpt2train.precision import free_memory, is_oom
 
 # -----------------------------------------------------------------------------
 # the rungs: what each one changes, from the precision plan
@@ -194,14 +195,15 @@ def time_rung(settings, job):
     b = settings.get("micro_batch", job.micro_batch)
     raw, model, optimizers = job.build(settings, job.size, b, seq_len, plan)
     scaler = torch.amp.GradScaler(device_type, enabled=settings["scaler"])
+    stepping = Stepping(plan, scaler, optimizers)  # the trainer's step, clipped at 1.0
     x, y = random_batch(b, seq_len, device)
-    step = functools.partial(train_step, model, optimizers, scaler, x, y, plan)
+    step = functools.partial(train_step, model, stepping, x, y)
     ms = 1000 * time_steps(step, plan.device, job.warmup, job.steps)
     cuda = device_type == "cuda"
     peak = (None, None)
     if cuda:
         peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-    syncs = count_syncs(lambda: train_step(model, optimizers, scaler, x, y, plan)) if cuda else None
+    syncs = count_syncs(lambda: train_step(model, stepping, x, y)) if cuda else None
     fpt = job.flops_per_token(raw, seq_len)
     head = raw.loss_impl
     if raw.loss_impl == "chunked":

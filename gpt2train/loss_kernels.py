@@ -22,13 +22,13 @@ NUM_WARPS = 16
 
 
 @triton.jit
-def cross_entropy_rows_kernel(logits_ptr, stride, targets_ptr, losses_ptr, V,
+def cross_entropy_rows_kernel(logits_ptr, targets_ptr, losses_ptr, V,
                               GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Row `program_id` of logits (V columns, `stride` apart): losses[row] = logsumexp - the
+    """Row `program_id` of the contiguous logits (V columns): losses[row] = logsumexp - the
     target's logit (0 where the target is -1) and, where GRAD, the row overwritten by
     softmax - one_hot(target) (0 where ignored), unscaled: loss.py scales on the (N, C) side."""
-    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31
-    ptr = logits_ptr + row * stride
+    row = tl.program_id(0).to(tl.int64)  # row * V can pass 2^31
+    ptr = logits_ptr + row * V
     target = tl.load(targets_ptr + row)
     valid = target != -1
     m = -float("inf")  # the row's running max
@@ -61,6 +61,7 @@ def cross_entropy_rows(logits, targets, losses, grad=True):
     """Launch the kernel over logits (N, V), contiguous rows, in place; targets (N,) int64 with -1
     ignored, losses (N,) fp32 written."""
     N, V = logits.shape
+    assert logits.is_contiguous(), "the kernel reads rows V apart"  # loss.py's h @ weight.t()
     block = min(triton.next_power_of_2(V), INTERPRETER_BLOCK if INTERPRETED else BLOCK)
-    cross_entropy_rows_kernel[(N,)](logits, logits.stride(0), targets, losses, V, GRAD=grad,
-                                    BLOCK=block, num_warps=NUM_WARPS)
+    cross_entropy_rows_kernel[(N,)](logits, targets, losses, V, GRAD=grad, BLOCK=block,
+                                    num_warps=NUM_WARPS)

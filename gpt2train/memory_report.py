@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_flatten
 
 from gpt2train import precision
 from gpt2train.ladder import BASELINE, rung_plan, time_rung
-from gpt2train.memory import (Step, activation_bytes_estimate, estimated_micro_batch, fmt_bytes,
-                              free_memory, optimizer_state_tensors, param_counts, random_batch,
-                              tensor_bytes, training_bytes_estimate)
-from gpt2train.optim import train_step
+from gpt2train.memory import (Step, activation_bytes_estimate, fmt_bytes, optimizer_state_tensors,
+                              param_counts, tensor_bytes, training_bytes_estimate)
+from gpt2train.microbatch import estimated_micro_batch, random_batch
+from gpt2train.optim import Stepping, train_step
+from gpt2train.precision import free_memory
 
 # -----------------------------------------------------------------------------
 # measuring: what the tensors hold, what autograd keeps for backward
@@ -151,7 +152,7 @@ def measure_step(job, modes):
     kept = activation_lines(raw, x, y, plan, step)  # before the step: no gradients yet
     # CUDA: the 2nd step's peak has the optimizer state
     for _ in range(2 if device_type == "cuda" else 1):
-        train_step(model, optimizers, scaler, x, y, plan)
+        train_step(model, Stepping(plan, scaler, optimizers), x, y)
     precision.synchronize(device)
     lines = [title, *state_lines(raw, optimizers, step), *kept, *allocator_lines(device_type)]
     del raw, model, optimizers, x, y

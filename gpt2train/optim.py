@@ -3,9 +3,10 @@ probes run.
 
     from gpt2train import optim
     optimizers = optim.build_optimizers(model, "muon", lr=6e-4, muon_lr=6e-3)  # [AdamW, Muon]
-    loss = optim.accumulate_gradients(model, loader, grad_accum, plan, scaler)  # forward/backward
+    stepping = optim.Stepping(plan, scaler, optimizers, params, grad_clip=1.0)  # built once
+    loss = optim.accumulate_gradients(model, loader, grad_accum, stepping)  # forward/backward
     scale = optim.lr_multiplier(step, cfg)  # the schedule
-    stepped = optim.optimizer_step(optimizers, scaler, params, 1.0, scale, loss)
+    stepped = optim.optimizer_step(stepping, scale, loss)
 
 AdamW alone ("adamw", the GPT-2 recipe), or Muon on the blocks' hidden matrices with AdamW on the
 rest ("muon"). The schedule is one multiplier (lr_multiplier: warmup, then cosine, linear or wsd):
@@ -427,7 +428,25 @@ def lrs(optimizers):
 # THE training step: gradients over the micro-batches, then one update of every optimizer
 
 
-def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar=None):
+@dataclasses.dataclass(frozen=True)
+class Stepping:
+    """What every training step of a run takes alike: built once (the trainer, bench, the probes),
+    passed whole to accumulate_gradients (plan, scaler), optimizer_step and train_step."""
+    plan: object  # precision.Plan: device, autocast; under CUDA graphs the gradients stay in place
+    scaler: object  # torch.amp.GradScaler, enabled for fp16 only (a no-op otherwise)
+    optimizers: list = ()  # AdamW, or AdamW + Muon: stepped together
+    params: list = None  # every trained parameter once, the one clip's (None: the optimizers')
+    grad_clip: float = 1.0  # the clip's max norm (0: none)
+
+    @property
+    def clipped(self):
+        """The parameters the one clip runs over: params, else every optimizer's."""
+        if self.params is not None:
+            return self.params
+        return [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+
+
+def accumulate_gradients(model, loader, grad_accum, stepping, ddp=False, bar=None):
     """Forward/backward over grad_accum micro-batches; the gradients end up those of their mean
     loss. DDP all-reduces the gradients only on the last micro-step. Each micro-batch after the
     first is read before the previous one's backward is queued. Returns the mean loss (a tensor on
@@ -435,6 +454,7 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
     (plan.cudagraphs) each micro-step is marked as a new replay and the gradients live outside the
     graphs' memory (static_grads): a replay overwrites its outputs, and the first micro-step's
     gradients would be one."""
+    plan, scaler = stepping.plan, stepping.scaler
     loss_accum = torch.zeros((), device=plan.device)
     if plan.cudagraphs:
         static_grads(model)
@@ -461,7 +481,7 @@ def accumulate_gradients(model, loader, grad_accum, plan, scaler, ddp=False, bar
 
 def static_grads(model):
     """Give every trained parameter that has none a zero gradient, allocated here, outside any CUDA
-    graph: backward then adds into it in place (optimizer_step(keep_grads=True) zeroes it)."""
+    graph: backward then adds into it in place (optimizer_step under CUDA graphs zeroes it)."""
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -537,23 +557,24 @@ def set_lr(optimizers, scale, momentum=None):
                 group["momentum"] = momentum
 
 
-def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_outlier=None,
-                   flags=None, momentum=None, keep_grads=False):
+def optimizer_step(stepping, lr_scale, loss, is_outlier=None, flags=None, momentum=None):
     """THE optimizer step of the trainer, bench.py and the micro-batch probes. Every param group's
     lr is set to its base_lr x lr_scale (one schedule for AdamW and Muon); each optimizer is
-    unscaled (fp16), one clip runs over all parameters, each optimizer steps, the loss scale is
-    updated once. A step whose loss or gradients hold inf/nan is skipped in every precision, by
-    every optimizer together (the weights never go non-finite; the clip would spread one optimizer's
-    inf into the others' gradients); is_outlier(loss, norm) -> True skips a finite step too (the
-    loss scale is left as it is). flags: a 1-D tensor on the device (the ranks' stop requests) read
-    with loss and norm. Where the optimizers allow (skips_on_device) the update is launched before
-    the read, so the device never waits for the host. momentum: Muon's at this step (muon_momentum),
-    None: as it is. keep_grads (CUDA graphs: plan.cudagraphs): the gradients are zeroed in place,
-    not freed. Returns Stepped, read from the device in one transfer."""
+    unscaled (fp16), one clip (stepping.grad_clip) runs over all parameters, each optimizer steps,
+    the loss scale is updated once. A step whose loss or gradients hold inf/nan is skipped in every
+    precision, by every optimizer together (the weights never go non-finite; the clip would spread
+    one optimizer's inf into the others' gradients); is_outlier(loss, norm) -> True skips a finite
+    step too (the loss scale is left as it is). flags: a 1-D tensor on the device (the ranks' stop
+    requests) read with loss and norm. Where the optimizers allow (skips_on_device) the update is
+    launched before the read, so the device never waits for the host. momentum: Muon's at this step
+    (muon_momentum), None: as it is. Under CUDA graphs (plan.cudagraphs) the gradients are zeroed in
+    place, not freed. Returns Stepped, read from the device in one transfer."""
+    optimizers, scaler, grad_clip = stepping.optimizers, stepping.scaler, stepping.grad_clip
     set_lr(optimizers, lr_scale, momentum)
     for opt in optimizers:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones (a no-op when disabled)
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(stepping.clipped,
+                                          grad_clip if grad_clip > 0 else float("inf"))
     # FSDP: a DTensor over the ranks (the whole model's norm once gathered)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -575,7 +596,7 @@ def optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss, is_out
             # skipped: the GradScaler lowers its scale if the gradients held inf/nan
             scaler.update()
     for opt in optimizers:
-        opt.zero_grad(set_to_none=not keep_grads)
+        opt.zero_grad(set_to_none=not stepping.plan.cudagraphs)
     why = "" if apply else "outlier"
     if not finite:
         why = "inf/nan loss or gradients"
@@ -592,12 +613,9 @@ class FixedBatch:
         return self.x, self.y
 
 
-def train_step(model, optimizers, scaler, x, y, plan, lr_scale=1.0):
+def train_step(model, stepping, x, y, lr_scale=1.0):
     """One step of the trainer's own step functions on a fixed batch, no accumulation, clipped at
-    the default grad_clip (1.0): what bench.py times and the micro-batch probes run (lr_scale 0: no
-    update, the weights stay as they are)."""
-    grad_clip = 1.0
-    loss = accumulate_gradients(model, FixedBatch(x, y), 1, plan, scaler)
-    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    return optimizer_step(optimizers, scaler, params, grad_clip, lr_scale, loss,
-                          keep_grads=plan.cudagraphs)
+    stepping.grad_clip (1.0 unless set): what bench.py times and the micro-batch probes run
+    (lr_scale 0: no update, the weights stay as they are)."""
+    loss = accumulate_gradients(model, FixedBatch(x, y), 1, stepping)
+    return optimizer_step(stepping, lr_scale, loss)

@@ -21,8 +21,8 @@ yes on a T4 where bf16 is emulated):
         fp32
 
 Also here: dtype names, the peak-FLOPs table for MFU, torch.compile with its probe. The one training
-step is optim.py's; the memory estimate and the micro-batch finder are memory.py's. Imports torch
-and fileio only: every module may import it, it imports none of them.
+step is optim.py's; the memory estimate is memory.py's, the micro-batch finder microbatch.py's.
+Imports torch and fileio only: every module may import it, it imports none of them.
 """
 import dataclasses
 import gc

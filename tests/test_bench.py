@@ -14,6 +14,7 @@ from gpt2train import ddp_bench
 from gpt2train import ladder
 from gpt2train import memory
 from gpt2train import memory_report
+from gpt2train import microbatch
 from gpt2train import optim
 from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
@@ -224,7 +225,7 @@ def test_ddp_orders_wrap_and_train_alike(tmp_path):
                 assert isinstance(wrapped, DDP) and wrapped.module._orig_mod is model
             else:
                 assert isinstance(wrapped._orig_mod, DDP) and wrapped._orig_mod.module is model
-            optim.train_step(wrapped, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), plan)
+            optim.train_step(wrapped, optim.Stepping(plan, NO_SCALER, [opt]), *microbatch.random_batch(2, 16, "cpu"))
             grads.append([p.detach().clone() for p in model.parameters()])  # the weights one step on: same gradients
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
         rows = ddp_bench.run_ddp(job(plan, 2, 16), force_compile=True, backend="eager")

@@ -27,7 +27,7 @@ from gpt2train.data import TokenLoader
 from gpt2train.fileio import UserError, umask
 from model import GPT, GPTConfig
 from gpt2train.precision import make_plan
-from gpt2train.optim import train_step
+from gpt2train.optim import Stepping, train_step
 
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 # what tiny_args' run fixes: the RUN_KEYS as that run saved them
@@ -43,7 +43,7 @@ def trained_model(data_dir, steps=1):
     optimizer = adamw(model)
     loader = TokenLoader(data_dir, "train", 2, 16)
     for _ in range(steps):
-        train_step(model, [optimizer], NO_SCALER, *loader.next_batch(), make_plan("cpu"))
+        train_step(model, Stepping(make_plan("cpu"), NO_SCALER, [optimizer]), *loader.next_batch())
     return model, optimizer, loader
 
 

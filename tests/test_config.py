@@ -51,8 +51,8 @@ def test_config_file_then_override(tmp_path):
 
 
 def test_micro_batch_size_is_an_integer_or_auto_decided_at_parsing(tmp_path):
-    """micro_batch_size holds an int or the word "auto" (the run then probes for it: memory.choose_micro_batch),
-    from a flag or a config file, and the last word wins; anything else is one line."""
+    """micro_batch_size holds an int or the word "auto" (the run then probes for it:
+    microbatch.choose_micro_batch), from a flag or a config file, and the last word wins; anything else is one line."""
     cfg, given = parse_args(["--micro_batch_size=auto"])
     assert cfg.micro_batch_size == "auto" and given == {"micro_batch_size": "cli"}
     assert parse_args(["--micro_batch_size=auto", "--micro_batch_size=16"])[0].micro_batch_size == 16

@@ -19,6 +19,7 @@ import hellaswag  # noqa: E402
 from gpt2train import ladder  # noqa: E402
 from gpt2train import loss  # noqa: E402
 from gpt2train import memory  # noqa: E402
+from gpt2train import microbatch  # noqa: E402
 from gpt2train import optim  # noqa: E402
 from gpt2train import precision  # noqa: E402
 from gpt2train.data import TokenLoader  # noqa: E402
@@ -54,11 +55,12 @@ def test_each_plan_trains(name, plan):
     model = GPT(SMALL).cuda()
     optimizers = optim.build_optimizers(model, lr=3e-3, weight_decay=0.0, device_type="cuda")
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
+    stepping = optim.Stepping(plan, scaler, optimizers)  # clipped at 1.0, as the trainer's default
     precision.set_tf32(plan.tf32)
     losses = []
     for step in range(20):
         x, y = counting_batch(8, 64, seed=step)
-        losses.append(optim.train_step(model, optimizers, scaler, x, y, plan).loss)  # the trainer's step
+        losses.append(optim.train_step(model, stepping, x, y).loss)  # the trainer's step
     precision.set_tf32(False)
     assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
     assert losses[-1] < losses[0] - 1.0, (name, losses)
@@ -171,9 +173,11 @@ def test_trainer_step_syncs_the_host_at_most_once(precision_name, optimizer, dat
     params = [p for p in model.parameters() if p.requires_grad]
     loader = TokenLoader(data_dir, "train", 4, 64, vocab_size=SMALL.vocab_size)  # the toy shards: vocab 64
 
+    stepping = optim.Stepping(plan, scaler, optimizers, params)
+
     def step():
-        loss = optim.accumulate_gradients(model, loader, 2, plan, scaler)
-        return optim.optimizer_step(optimizers, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(model, loader, 2, stepping)
+        return optim.optimizer_step(stepping, 1.0, loss)
 
     step()  # the first step creates the optimizer state and the loss scale
     assert ladder.count_syncs(step) <= 1
@@ -189,16 +193,16 @@ def test_finder_times_the_compiled_model_and_its_choice_runs(monkeypatch):
     def compiles(step_model, b, seq_len, plan):
         compiled_at.append(b)
         return precision.compiles(step_model, b, seq_len, plan)
-    monkeypatch.setattr(memory, "compiles", compiles)  # the finder's own name for precision.compiles
+    monkeypatch.setattr(microbatch, "compiles", compiles)  # the finder's own name for precision.compiles
     step = memory.Step(model.config, 256, 256 * 64, dtype=plan.dtype, loss_impl="auto",  # 64 rows: at most 64
                        activation_checkpointing=model.activation_checkpointing)
-    b, reason, timed = memory.auto_micro_batch(model, optimizers, plan, step)
+    b, reason, timed = microbatch.auto_micro_batch(model, optimizers, plan, step)
     assert 1 <= b <= 64 and (256 * 64) % (b * 256) == 0, reason
     assert len(compiled_at) == 1 and compiled_at[0] >= b, (compiled_at, reason)  # once, at the largest size timed
     assert ("timed compiled" in reason) == (timed is not model) == plan.compile, reason
-    x, y = memory.random_batch(b, 256, "cuda:0")
+    x, y = microbatch.random_batch(b, 256, "cuda:0")
     scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
-    assert math.isfinite(optim.train_step(timed, optimizers, scaler, x, y, plan).loss)
+    assert math.isfinite(optim.train_step(timed, optim.Stepping(plan, scaler, optimizers), x, y).loss)
     torch._dynamo.reset()
 
 
@@ -299,7 +303,7 @@ def test_the_full_loss_head_runs_inside_the_compiled_graph_on_the_gpu(name, data
         scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
         loader = TokenLoader(data_dir, "train", B, T, vocab_size=V)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            loss = optim.accumulate_gradients(compiled, loader, 2, plan, scaler)
+            loss = optim.accumulate_gradients(compiled, loader, 2, optim.Stepping(plan, scaler))
         torch.cuda.synchronize()
         assert watch.check() == []
     finally:
@@ -397,15 +401,17 @@ def test_the_fused_head_runs_inside_the_compiled_graph_on_the_gpu(name, data_dir
         scaler = torch.amp.GradScaler("cuda", enabled=plan.grad_scaler)
         loader = TokenLoader(data_dir, "train", B, T, vocab_size=V)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            loss_ = optim.accumulate_gradients(compiled, loader, 2, plan, scaler)
+            loss_ = optim.accumulate_gradients(compiled, loader, 2, optim.Stepping(plan, scaler))
         torch.cuda.synchronize()
         assert watch.check() == []
         optimizers = optim.build_optimizers(raw, lr=1e-3, weight_decay=0.1, device_type="cuda")
         params = [p for p in raw.parameters() if p.requires_grad]
 
+        stepping = optim.Stepping(plan, scaler, optimizers, params)
+
         def train_step():
-            micro = optim.accumulate_gradients(compiled, loader, 2, plan, scaler)
-            return optim.optimizer_step(optimizers, scaler, params, 1.0, 1.0, micro)
+            micro = optim.accumulate_gradients(compiled, loader, 2, stepping)
+            return optim.optimizer_step(stepping, 1.0, micro)
         train_step()  # the optimizer state and the loss scale
         assert ladder.count_syncs(train_step) <= 1
     finally:

@@ -83,3 +83,16 @@ def test_bench_is_the_command_over_its_tools():
     tools = {"gpt2train.ladder", "gpt2train.ddp_bench", "gpt2train.memory_report"}
     assert tools <= g["bench"] and "model" in g["bench"]
     assert not any("model" in g[t] or "bench" in g[t] for t in tools)
+
+
+def test_the_micro_batch_finder_is_a_room_over_the_byte_counts():
+    """memory.py counts a step's bytes and picks the loss head that fits; the finder (microbatch.py: fit, probe,
+    THE micro-batch of a run) is a module of its own over it (issue 45): it imports memory, never the reverse."""
+    g, mods = graph(), modules()
+    assert "gpt2train.memory" in g["gpt2train.microbatch"]
+    assert not {"gpt2train.microbatch", "gpt2train.optim"} & g["gpt2train.memory"]
+    defined = {m: {n.name for n in ast.parse(open(mods[m]).read()).body if isinstance(n, ast.FunctionDef)}
+               for m in ("gpt2train.memory", "gpt2train.microbatch")}
+    finder = {"choose_micro_batch", "auto_micro_batch", "search_micro_batch", "fit_micro_batch", "probe_steps"}
+    assert finder <= defined["gpt2train.microbatch"] and not finder & defined["gpt2train.memory"]
+    assert {"training_bytes_estimate", "use_loss_head"} <= defined["gpt2train.memory"]

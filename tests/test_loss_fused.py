@@ -82,6 +82,17 @@ def test_rows_that_end_inside_a_block(monkeypatch, block):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernel_takes_contiguous_rows_only():
+    """The kernel reads row r at r x V (loss.py's h @ weight.t() is contiguous): a strided view is refused, not
+    read wrong; the same rows made contiguous give F.cross_entropy's losses."""
+    wide = torch.randn(6, 2 * 97)
+    rows, targets, losses = wide[:, :97], torch.randint(0, 97, (6,)), torch.empty(6)
+    with pytest.raises(AssertionError, match="rows V apart"):
+        loss_kernels.cross_entropy_rows(rows, targets, losses, grad=False)
+    loss_kernels.cross_entropy_rows(rows.contiguous(), targets, losses, grad=False)
+    torch.testing.assert_close(losses, F.cross_entropy(rows, targets, reduction="none"), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_under_bf16_autocast():
     """bf16 logits and dL/dlogits (8 mantissa bits), the softmax in fp32, as autocast's F.cross_entropy."""
     h, w, targets = ce_inputs(N=64, C=32, V=300)
@@ -209,11 +220,11 @@ def fp32_run(data_dir):
     plan = precision.make_plan("cpu", "fp32", compile="true")
     raw, compiled = trainer_model(plan)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, plan, scaler)  # compiles nothing more
+    optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))  # compiles nothing more
     counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
     raw.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, plan, scaler)
+        optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))
     yield dict(plan=plan, raw=raw, compiled=compiled, counters=counters, events=prof.events())
     torch._dynamo.reset()
 
@@ -233,8 +244,9 @@ def test_no_logit_sized_aten_op_outside_the_compiled_graph(fp32_run, data_dir):
     assert not [e.name for e in aten_outside_compiled(events) if has_input_of(e, N * V)]
     raw, plan = fp32_run["raw"], fp32_run["plan"]
     raw.zero_grad(set_to_none=True)
+    stepping = optim.Stepping(plan, torch.amp.GradScaler("cpu", enabled=False))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        optim.accumulate_gradients(raw, loader(data_dir), ACCUM, plan, torch.amp.GradScaler("cpu", enabled=False))
+        optim.accumulate_gradients(raw, loader(data_dir), ACCUM, stepping)
     assert {e.name for e in aten_outside_compiled(prof.events()) if has_input_of(e, N * V)} >= {"aten::mm"}
     raw.zero_grad(set_to_none=True)
 
@@ -243,7 +255,7 @@ def test_compiled_fused_head_equals_f_cross_entropy_on_the_whole_logits(fp32_run
     raw, compiled, plan = fp32_run["raw"], fp32_run["compiled"], fp32_run["plan"]
     raw.zero_grad(set_to_none=True)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    got = optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, plan, scaler)
+    got = optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))
     grads_got = {k: p.grad.clone() for k, p in raw.named_parameters()}
     raw.zero_grad(set_to_none=True)
     data, ref = loader(data_dir), 0.0

@@ -63,7 +63,7 @@ def profiled_step(model, data_dir, plan):
     """One optimizer step's forward/backward through the trainer's accumulate_gradients, profiled."""
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        optim.accumulate_gradients(model, loader(data_dir), ACCUM, plan, scaler)
+        optim.accumulate_gradients(model, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))
     return prof.events()
 
 
@@ -94,7 +94,7 @@ def fp32_run(data_dir):
     plan = precision.make_plan("cpu", "fp32", compile="true")
     raw, compiled = trainer_model(plan, "full")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, plan, scaler)  # compiles nothing more
+    optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))  # compiles nothing more
     counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
     raw.zero_grad(set_to_none=True)
     events = profiled_step(compiled, data_dir, plan)
@@ -129,7 +129,7 @@ def test_full_head_equals_f_cross_entropy_on_the_whole_logits(fp32_run, data_dir
     raw, compiled, plan = fp32_run["raw"], fp32_run["compiled"], fp32_run["plan"]
     raw.zero_grad(set_to_none=True)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss = optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, plan, scaler)
+    loss = optim.accumulate_gradients(compiled, loader(data_dir), ACCUM, optim.Stepping(plan, scaler))
     got = {k: p.grad.clone() for k, p in raw.named_parameters()}
     raw.zero_grad(set_to_none=True)
     data, ref = loader(data_dir), 0.0

@@ -1,6 +1,7 @@
 """memory.py: the memory estimate of a training step (checked against what the forward keeps and the
-measured peak), the memory line, the sm7x fit, the micro-batch search (with injected memory and speed
-functions, checked against brute force), the CPU side of the probing, and the one micro-batch decision."""
+measured peak), the memory line; microbatch.py, the finder over it: the sm7x fit, the micro-batch search (with
+injected memory and speed functions, checked against brute force), the CPU side of the probing, and the one
+micro-batch decision."""
 import dataclasses
 import os
 import re
@@ -14,11 +15,13 @@ from gpt2train import loss
 from gpt2train import optim
 from gpt2train import memory
 from gpt2train import memory_report
+from gpt2train import microbatch
 from gpt2train import precision
 from conftest import ROOT, adamw, cpu_plan, tiny_model
 from gpt2train.fileio import UserError
 from gpt2train.loss import CE_CHUNK_ROWS
-from gpt2train.memory import Step, fit_micro_batch, param_counts, training_bytes_estimate
+from gpt2train.memory import Step, param_counts, training_bytes_estimate
+from gpt2train.microbatch import fit_micro_batch
 from model import GPT, GPTConfig, PRETRAINED
 from gpt2train.precision import default_plan
 
@@ -81,17 +84,18 @@ def test_estimated_micro_batch_is_the_largest_that_fits():
     step = Step(config, 1024, dtype=torch.bfloat16, activation_checkpointing="every_other")
     total = lambda b: sum(memory.training_bytes_estimate(step, b).values())  # noqa: E731
     budget = 0.9 * 40 * 2**30
-    b = memory.estimated_micro_batch(step, budget)
+    b = microbatch.estimated_micro_batch(step, budget)
     assert b > 1 and total(b) <= budget < total(b + 1)
-    assert memory.estimated_micro_batch(step, total(1) - 1) == 0
-    cap, note = memory.micro_batch_cap(step, budget)
+    assert microbatch.estimated_micro_batch(step, total(1) - 1) == 0
+    cap, note = microbatch.micro_batch_cap(step, budget)
     assert cap == 4 * b and f"fits {b}" in note and "every_other" in note
 
 
 def test_memory_summary_counts_the_tensors_on_cpu():
     model = tiny_model(vocab_size=50257)
     opt = adamw(model)
-    optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    stepping = optim.Stepping(default_plan("cpu"), NO_SCALER, [opt])
+    optim.train_step(model, stepping, *microbatch.random_batch(2, 16, "cpu"))
     line = memory.memory_summary(model, [opt], default_plan("cpu"), 2, 16)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)  # the tied wte/lm_head weight once
@@ -194,7 +198,7 @@ def linear_usage(limit, headroom=0.1):
 def test_search_matches_brute_force(limit, seq_len, total, world, speed):
     calls = []
     usage = linear_usage(limit)
-    b, reason = memory.search_micro_batch(lambda b: calls.append(b) or usage(b), speed,
+    b, reason = microbatch.search_micro_batch(lambda b: calls.append(b) or usage(b), speed,
                                           Step(GPT2, seq_len, total, world))
     assert b == brute_force(limit, seq_len, total, world, 0.1, speed)
     accum = total // (b * seq_len * world)
@@ -204,40 +208,40 @@ def test_search_matches_brute_force(limit, seq_len, total, world, speed):
 
 
 def test_search_prefers_multiples_of_8_without_needing_powers_of_two():
-    b, reason = memory.search_micro_batch(linear_usage(60), lambda b: float(b), Step(GPT2, 1024, 480 * 1024))
+    b, reason = microbatch.search_micro_batch(linear_usage(60), lambda b: float(b), Step(GPT2, 1024, 480 * 1024))
     assert b == 48  # 60 fits but 48 is the largest multiple of 8 dividing 480; 56 and 64 do not divide it
     assert "grad_accum 10" in reason and "80 runs out of memory" in reason
 
 
 def test_search_falls_back_below_8_and_says_so():
-    b, reason = memory.search_micro_batch(linear_usage(6), lambda b: float(b), Step(GPT2, 1024, 524288))
+    b, reason = microbatch.search_micro_batch(linear_usage(6), lambda b: float(b), Step(GPT2, 1024, 524288))
     assert b == 4 and "no multiple of 8 fits" in reason
 
 
 def test_search_keeps_headroom():
     usage = lambda b: {8: 0.5, 16: 0.85, 32: 0.95}.get(b, 2.0 if b > 32 else 0.1)  # noqa: E731
     speed = lambda b: float(b)  # noqa: E731
-    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.1)[0] == 16
-    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.0)[0] == 32
-    assert memory.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.2)[0] == 8
+    assert microbatch.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.1)[0] == 16
+    assert microbatch.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.0)[0] == 32
+    assert microbatch.search_micro_batch(usage, speed, Step(GPT2, 1024, 65536), headroom=0.2)[0] == 8
 
 
 def test_search_treats_oom_as_not_fitting():
-    b, reason = memory.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b),
+    b, reason = microbatch.search_micro_batch(lambda b: None if b > 16 else 0.5, lambda b: float(b),
                                           Step(GPT2, 1024, 524288))
     assert b == 16 and "32 runs out of memory" in reason
 
 
 def test_search_respects_max_micro_batch():
     step = Step(GPT2, 1024, 524288)
-    assert memory.search_micro_batch(lambda b: 0.1, lambda b: float(b), step, max_micro_batch=100)[0] == 64
+    assert microbatch.search_micro_batch(lambda b: 0.1, lambda b: float(b), step, max_micro_batch=100)[0] == 64
 
 
 def test_search_refuses_what_cannot_divide_or_fit():
     with pytest.raises(ValueError, match="not divisible by seq_len x world_size = 2048"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: 1.0, Step(GPT2, 1024, 500000, 2))
+        microbatch.search_micro_batch(lambda b: 0.1, lambda b: 1.0, Step(GPT2, 1024, 500000, 2))
     with pytest.raises(ValueError, match="no micro-batch fits"):
-        memory.search_micro_batch(lambda b: None, lambda b: 1.0, Step(GPT2, 1024, 524288))
+        microbatch.search_micro_batch(lambda b: None, lambda b: 1.0, Step(GPT2, 1024, 524288))
 
 # -----------------------------------------------------------------------------
 # probing on the real model (the CPU half of what runs on CUDA)
@@ -252,26 +256,26 @@ def test_search_skips_sizes_that_fail_when_timed():
     def measure(b):
         timed.append(b)
         return None if b > 16 else float(b)
-    b, reason = memory.search_micro_batch(usage, measure, Step(GPT2, 1024, 64 * 1024))
+    b, reason = microbatch.search_micro_batch(usage, measure, Step(GPT2, 1024, 64 * 1024))
     assert timed == [64, 32, 16]
     assert b == 16 and "out of memory or over the 90% limit" in reason, reason
     timed.clear()
-    b, reason = memory.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
+    b, reason = microbatch.search_micro_batch(lambda b: 0.1, lambda b: timed.append(b) or (None if b > 8 else 1.0),
                                              Step(GPT2, 1024, 64 * 1024))
     assert timed == [64, 32, 16, 8] and b == 8, (timed, reason)  # past the 3 timed: on until one runs
     with pytest.raises(ValueError, match="could be timed"):
-        memory.search_micro_batch(lambda b: 0.1, lambda b: None, Step(GPT2, 1024, 64 * 1024))
+        microbatch.search_micro_batch(lambda b: 0.1, lambda b: None, Step(GPT2, 1024, 64 * 1024))
 
 
 def test_auto_micro_batch_falls_back_on_cpu(monkeypatch):
     model = tiny_model(vocab_size=256)
     opt = adamw(model)
-    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 16)  # the config's default, off CUDA
-    b, reason, timed = memory.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 2))
+    monkeypatch.setattr(microbatch, "DEFAULT_MICRO_BATCH", 16)  # the config's default, off CUDA
+    b, reason, timed = microbatch.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 2))
     assert b == 16 and "needs CUDA" in reason and "cpu" in reason and "grad_accum 4" in reason and timed is None
-    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 12)
+    monkeypatch.setattr(microbatch, "DEFAULT_MICRO_BATCH", 12)
     with pytest.raises(ValueError, match="not divisible"):
-        memory.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 1))
+        microbatch.auto_micro_batch(model, [opt], default_plan("cpu"), Step(model.config, 32, 4096, 1))
 
 
 def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
@@ -279,13 +283,14 @@ def test_probe_steps_leave_weights_grads_and_optimizer_untouched():
     opt = adamw(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lrs = [g["lr"] for g in opt.param_groups]
-    seconds = memory.probe_steps(model, [opt], 2, 16, default_plan("cpu"), steps=2)
+    seconds = microbatch.probe_steps(model, [opt], 2, 16, default_plan("cpu"), steps=2)
     assert seconds > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
     assert [g["lr"] for g in opt.param_groups] == lrs
-    optim.train_step(model, [opt], NO_SCALER, *memory.random_batch(2, 16, "cpu"), default_plan("cpu"))
+    stepping = optim.Stepping(default_plan("cpu"), NO_SCALER, [opt])
+    optim.train_step(model, stepping, *microbatch.random_batch(2, 16, "cpu"))
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # the optimizer still trains
 
 # -----------------------------------------------------------------------------
@@ -306,48 +311,48 @@ def shape(model, plan, seq_len=1024, total=524288, world_size=1, **asked):
 def test_choose_micro_batch_fits_sm7x_always_and_others_when_the_asked_one_does_not_fit():
     gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model, not probing
     t4, a100, rtx = gpu_plan((7, 5), 15), gpu_plan((8, 0), 40), gpu_plan((8, 6), 24)
-    b, t, why, timed = memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)
+    b, t, why, timed = microbatch.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)
     assert (b, t, timed) == (16, 1024, None) and "fitted to 15.0 GiB: 16 x 1024" in why and "grad_accum 32" in why
     assert why.endswith("(set micro_batch_size/seq_len to choose yourself)")
-    kept = memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4, fit=False, divide=False), 64)  # the user's
+    kept = microbatch.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4, fit=False, divide=False), 64)  # the user's
     assert kept == (64, 1024, "", None)
-    assert memory.choose_micro_batch(gpt2, [], a100, shape(gpt2, a100), 64) == (64, 1024, "", None)
+    assert microbatch.choose_micro_batch(gpt2, [], a100, shape(gpt2, a100), 64) == (64, 1024, "", None)
     # 24 GB at sm86: 64 x 1024 needs ~24 GiB, over 85% of the card, 32 x 1024 fits: fitted although not sm7x
     assert memory.training_bytes(Step(GPT2, 1024, dtype=torch.bfloat16), 64) > 0.85 * 24 * GB
     assert memory.training_bytes(Step(GPT2, 1024, dtype=torch.bfloat16), 32) <= 0.85 * 24 * GB
-    b, t, why, _ = memory.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx), 64)
+    b, t, why, _ = microbatch.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx), 64)
     assert (b, t) == (32, 1024) and "grad_accum 16" in why
-    assert memory.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx, world_size=8), 64)[:2] == (32, 1024)
+    assert microbatch.choose_micro_batch(gpt2, [], rtx, shape(gpt2, rtx, world_size=8), 64)[:2] == (32, 1024)
 
 
 def test_choose_micro_batch_shortens_seq_len_only_when_allowed():
     medium = SimpleNamespace(config=GPT2_MEDIUM, activation_checkpointing="none")
     small = gpu_plan((7, 5), 7.8)
-    b, t, why, _ = memory.choose_micro_batch(medium, [], small, shape(medium, small), 64)
+    b, t, why, _ = microbatch.choose_micro_batch(medium, [], small, shape(medium, small), 64)
     assert (b, t) == (1, 256) and "seq_len 1024 -> 256" in why
     with pytest.raises(UserError, match="355M-parameter model does not fit in 7.8 GiB at seq_len 1024"):
-        memory.choose_micro_batch(medium, [], small, shape(medium, small, shrink_seq=False), 64)
+        microbatch.choose_micro_batch(medium, [], small, shape(medium, small, shrink_seq=False), 64)
 
 
 def test_choose_micro_batch_on_cpu_keeps_the_asked_one_or_says_what_divides(monkeypatch):
     model = tiny_model(vocab_size=256)
     opt = adamw(model)
     cpu = default_plan("cpu")
-    assert memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), 4) == (4, 32, "", None)
-    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 16)  # auto off CUDA: the config's default
-    b, t, why, timed = memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), None)
+    assert microbatch.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), 4) == (4, 32, "", None)
+    monkeypatch.setattr(microbatch, "DEFAULT_MICRO_BATCH", 16)  # auto off CUDA: the config's default
+    b, t, why, timed = microbatch.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4096, 2), None)
     assert (b, t, timed) == (16, 32, None) and "micro_batch_size=auto needs CUDA; on cpu" in why
     flag = shape(model, cpu, 32, 4096, fit=False, divide=False)  # set on the command line: kept or refused
     with pytest.raises(UserError, match=r"x 1 = 1536: --micro_batch_size=32 keeps 4,096 tokens per step \(or "
                                         r"--total_batch_size=4608 makes it 4,608\)$"):  # 4096 / 1536 = 2.7
-        memory.choose_micro_batch(model, [opt], cpu, flag, 48)
+        microbatch.choose_micro_batch(model, [opt], cpu, flag, 48)
     left = shape(model, cpu, 32, 4096)
-    assert memory.choose_micro_batch(model, [opt], cpu, left, 48)[0] == 32  # left to its default: what divides
+    assert microbatch.choose_micro_batch(model, [opt], cpu, left, 48)[0] == 32  # left to its default: what divides
     with pytest.raises(UserError, match=r"x 1 = 1536: e\.g\. --total_batch_size=4608$"):  # no micro-batch divides
-        memory.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4100), 48)
-    monkeypatch.setattr(memory, "DEFAULT_MICRO_BATCH", 12)
+        microbatch.choose_micro_batch(model, [opt], cpu, shape(model, cpu, 32, 4100), 48)
+    monkeypatch.setattr(microbatch, "DEFAULT_MICRO_BATCH", 12)
     with pytest.raises(UserError, match="^micro_batch_size=auto: total_batch_size 4096 is not divisible"):
-        memory.choose_micro_batch(model, [opt], cpu, left, None)
+        microbatch.choose_micro_batch(model, [opt], cpu, left, None)
 
 
 @pytest.mark.parametrize("error,device_type,batch,expect", [
@@ -401,7 +406,7 @@ def test_fp16_loss_chunks_grow_past_1024_rows_only_where_the_gpu_sums_in_fp32(mo
     assert capped - head(1024) == 2 * V * C  # no fp16 product
     assert head(2368) - head(1024) == (2368 - 1024) * V * 6  # the larger chunk: fp32 + fp16 logits
     gpt2 = SimpleNamespace(config=GPT2, activation_checkpointing="none")  # what it reads of a model
-    assert memory.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)[:2] == (16, 1024)
+    assert microbatch.choose_micro_batch(gpt2, [], t4, shape(gpt2, t4), 64)[:2] == (16, 1024)
 
 
 @pytest.mark.parametrize("cap, gib, optimizer", [((8, 6), 22, "adamw"), ((8, 9), 23.6, "adamw"), ((8, 6), 24, "muon")])
@@ -415,7 +420,7 @@ def test_docs_say_what_a_24_gb_card_fits(cap, gib, optimizer):
     assert said and f"(24 GB: {said[2]} × 1024)" in text, "docs/precision.md: the 24 GB card's paragraph"
     gpu, model = gpu_plan(cap, gib), gpt2_on_meta()
     step = dataclasses.replace(shape(model, gpu), optimizer=optimizer, loss_impl="auto", compiled=True)
-    b, t, why, _ = memory.choose_micro_batch(model, [], gpu, step, 64)
+    b, t, why, _ = microbatch.choose_micro_batch(model, [], gpu, step, 64)
     assert (b, t) == (int(said[2]), 1024) and f"grad_accum {said[3]} " in why, why
     head, head_why = memory.choose_loss_impl(gpu, step, b)
     assert head == "full"
@@ -434,8 +439,8 @@ def test_a_resumed_run_fits_as_a_fresh_one_would(plan):
     cap, _, card = precision.EMULATED_PLANS.get(plan, ((8, 6), None, 22 * GB))
     gpu = gpu_plan(cap, card / GB)
     resumed = gpt2_on_meta(ce_chunk_rows=h200_chunk())
-    fresh = memory.choose_micro_batch(gpt2_on_meta(), [], gpu, shape(gpt2_on_meta(), gpu), 64)
-    assert memory.choose_micro_batch(resumed, [], gpu, shape(resumed, gpu), 64) == fresh
+    fresh = microbatch.choose_micro_batch(gpt2_on_meta(), [], gpu, shape(gpt2_on_meta(), gpu), 64)
+    assert microbatch.choose_micro_batch(resumed, [], gpu, shape(resumed, gpu), 64) == fresh
     if plan == "22 GiB":
         assert fresh[0] == 32 and fit_micro_batch(Step(GPT2, 1024, dtype=torch.bfloat16,
                                                        ce_chunk_rows=resumed.ce_chunk_rows), 22 * GB)[0] == 16
@@ -454,13 +459,13 @@ def test_finder_times_each_size_with_the_chunk_training_will_use(monkeypatch):
         now["b"] = b
         return 0.01 * b ** 0.9  # a larger batch: more tokens a second
 
-    monkeypatch.setattr(memory, "probe_steps", fake_probe)
-    monkeypatch.setattr(memory, "free_memory", lambda device_type: None)
+    monkeypatch.setattr(microbatch, "probe_steps", fake_probe)
+    monkeypatch.setattr(microbatch, "free_memory", lambda device_type: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB, 80 * GB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
-    b, _, _ = memory.auto_micro_batch(model, [], plan, dataclasses.replace(shape(model, plan), loss_impl="auto"))
+    b, _, _ = microbatch.auto_micro_batch(model, [], plan, dataclasses.replace(shape(model, plan), loss_impl="auto"))
     assert probed and all(chunk == memory.loss_chunk(plan, size * 1024, 50304) for size, chunk in probed), probed
     assert len({chunk for _, chunk in probed}) > 1  # the sizes do differ in their chunks here
     memory.set_loss_head(model, plan, b, 1024, "chunked")  # what the trainer sets after the finder
@@ -480,17 +485,17 @@ def test_finder_says_the_compile_before_it(monkeypatch, capsys):
         said_before.append(capsys.readouterr().out)
         return m  # (the model itself: nothing compiled, nothing probed)
 
-    monkeypatch.setattr(memory, "probe_steps", fake_probe)
-    monkeypatch.setattr(memory, "compile_model", fake_compile)
-    monkeypatch.setattr(memory, "free_memory", lambda device_type: None)
+    monkeypatch.setattr(microbatch, "probe_steps", fake_probe)
+    monkeypatch.setattr(microbatch, "compile_model", fake_compile)
+    monkeypatch.setattr(microbatch, "free_memory", lambda device_type: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB, 80 * GB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: now["b"] * 0.6 * GB)
     note = precision.compile_note("/runs/.compile_cache")
-    timed = memory.choose_micro_batch(model, [], plan, shape(model, plan), None, note)[3]
+    timed = microbatch.choose_micro_batch(model, [], plan, shape(model, plan), None, note)[3]
     assert said_before == [note + "\n"] and "compiling" not in capsys.readouterr().out, said_before
     assert timed is model  # (the fake compile: the model itself)
-    memory.choose_micro_batch(model, [], plan, shape(model, plan), 64, note)  # no finder: the trainer says it
-    memory.choose_micro_batch(model, [], dataclasses.replace(plan, compile=False), shape(model, plan), None, note)
+    microbatch.choose_micro_batch(model, [], plan, shape(model, plan), 64, note)  # no finder: the trainer says it
+    microbatch.choose_micro_batch(model, [], dataclasses.replace(plan, compile=False), shape(model, plan), None, note)
     assert said_before[1:] == [""] and "compiling" not in capsys.readouterr().out  # a plan without compile: none

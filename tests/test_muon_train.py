@@ -85,13 +85,14 @@ def test_memory_estimate_and_report_count_muons_one_buffer(optimizer):
     from gpt2train import ladder
     from gpt2train import memory
     from gpt2train import memory_report
+    from gpt2train import microbatch
     from gpt2train import precision
     from model import flops_per_token
     plan = precision.make_plan("cpu", "fp32")
     settings = dict(ladder.BASELINE, attn="sdpa", vocab=50304, fused=False, loss="chunked", ckpt="none")
     raw, model, optimizers = bench.build(settings, "tiny", 2, 32, plan, optimizer)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    optim.train_step(model, optimizers, scaler, *memory.random_batch(2, 32, "cpu"), plan)
+    optim.train_step(model, optim.Stepping(plan, scaler, optimizers), *microbatch.random_batch(2, 32, "cpu"))
     held = memory.tensor_bytes(memory.optimizer_state_tensors(optimizers))
     estimate = memory.training_bytes_estimate(memory.Step(raw.config, 32, optimizer=optimizer), 2)["optimizer state"]
     n = sum(p.numel() for p in raw.parameters())

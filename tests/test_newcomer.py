@@ -186,7 +186,8 @@ def test_the_quickstart_on_two_ranks_is_told_the_micro_batch_that_keeps_its_reci
     """configs/quickstart.py sets micro_batch_size=8 (1 x 8 x 128 = 1,024 tokens a step): on 2 ranks the line
     names --micro_batch_size=4, which keeps the recipe, before --total_batch_size=2048, which doubles it."""
     from conftest import adamw, tiny_model
-    from gpt2train.memory import Step, choose_micro_batch
+    from gpt2train.memory import Step
+    from gpt2train.microbatch import choose_micro_batch
     from gpt2train.precision import make_plan
     model = tiny_model(vocab_size=256)
     optimizer = adamw(model)
@@ -206,7 +207,7 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     warned about (the OOM killer came first), and the OOM line's --micro_batch_size=auto does nothing on CPU.
     Left at its default, the micro-batch is fitted to the free RAM (total_batch_size kept); set, it is warned
     about with the micro-batch that fits; the OOM line on CPU names a smaller micro-batch, not auto."""
-    from gpt2train import memory, precision
+    from gpt2train import memory, microbatch, precision
     from model import GPT, GPTConfig
     from gpt2train.precision import make_plan
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=50304))
@@ -214,19 +215,19 @@ def test_a_cpu_step_beyond_the_free_ram_is_fitted_or_warned_before_it_starts(mon
     step = memory.Step(model.config, 1024, 524288, device_type="cpu")
     need = lambda b: memory.training_bytes_estimate(step, b)  # noqa: E731
     ram = sum(need(8).values()) + 1  # 8 x 1024 fits, 16 x 1024 does not
-    monkeypatch.setattr(memory, "available_ram", lambda: ram)
+    monkeypatch.setattr(microbatch, "available_ram", lambda: ram)
     capsys.readouterr()
-    B, T, why, _ = memory.choose_micro_batch(model, [], plan, step, 64)
+    B, T, why, _ = microbatch.choose_micro_batch(model, [], plan, step, 64)
     said = capsys.readouterr().out.splitlines()
     assert (B, T) == (8, 1024) and why.startswith("micro-batch fitted to the free RAM: 64 x 1024 needs ~") and not said
     assert "8 x 1024 (~" in why and "grad_accum 64 keeps total_batch_size 524288" in why
     flag = dataclasses.replace(step, fit=False, divide=False)  # set on the command line
-    B, _, why, _ = memory.choose_micro_batch(model, [], plan, flag, 64)
+    B, _, why, _ = microbatch.choose_micro_batch(model, [], plan, flag, 64)
     said = capsys.readouterr().out.splitlines()
     assert B == 64 and why == "" and len(said) == 1
     assert said[0].startswith("warning: micro-batch 64 x 1024 needs ~") and "--micro_batch_size=8 fits" in said[0]
-    monkeypatch.setattr(memory, "available_ram", lambda: 10 * ram)
-    assert memory.choose_micro_batch(model, [], plan, step, 64)[0] == 64
+    monkeypatch.setattr(microbatch, "available_ram", lambda: 10 * ram)
+    assert microbatch.choose_micro_batch(model, [], plan, step, 64)[0] == 64
     assert capsys.readouterr().out.splitlines() == []
     line = precision.out_of_memory_message(RuntimeError("DefaultCPUAllocator: not enough memory"), "cpu", 64, 1024, 8)
     assert "auto" not in line and "--micro_batch_size (e.g. 32;" in line

@@ -282,6 +282,7 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
     opts = optim.build_optimizers(model, optimizer, lr=1e-2, weight_decay=0.1, fused=fused)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = [p for p in model.parameters()]
+    stepping = optim.Stepping(precision.make_plan("cpu"), scaler, opts, params)
     assert optim.skips_on_device(opts, None) == fused  # fused AdamW, with or without Muon
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     out = []
@@ -290,8 +291,8 @@ def run(steps, fused, on_device, optimizer="adamw", poison=(1,)):
         loss.backward()
         if step in poison:
             model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = math.inf
-        out.append(optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss.detach(),
-                                            is_outlier=None if on_device else (lambda loss, norm: False)))
+        out.append(optim.optimizer_step(stepping, 1.0, loss.detach(),
+                                        is_outlier=None if on_device else (lambda loss, norm: False)))
     return model, opts, out
 
 
@@ -360,9 +361,11 @@ def test_one_host_read_per_step(precision_name, optimizer):
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     assert optim.skips_on_device(opts, None)
 
+    stepping = optim.Stepping(plan, scaler, opts, params)
+
     def step():
-        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
-        return optim.optimizer_step(opts, scaler, params, 1.0, 1.0, loss)
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, stepping)
+        return optim.optimizer_step(stepping, 1.0, loss)
     step()  # the optimizer state and the loss scale are made
     count = HostReads()
     with count:
@@ -383,11 +386,13 @@ def test_an_inf_in_adamw_alone_skips_muon_too_under_the_grad_scaler(fused, grad_
     params = list(model.parameters())
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
 
+    stepping = optim.Stepping(plan, scaler, opts, params, grad_clip)
+
     def step(poison):
-        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan, scaler)
+        loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, stepping)
         if poison:
             model.transformer.wte.weight.grad[3, 5] = math.inf  # wte: AdamW's, not Muon's
-        return optim.optimizer_step(opts, scaler, params, grad_clip, 1.0, loss)
+        return optim.optimizer_step(stepping, 1.0, loss)
     assert step(poison=False).applied  # the optimizers' state made
     weights = [p.detach().clone() for p in params]
     momentum = [s["momentum_buffer"].clone() for s in opts[1].state.values()]
@@ -411,10 +416,37 @@ CPU = precision.make_plan("cpu")
 def test_accumulated_gradients_equal_one_big_batch(data_dir):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     small, big = tiny_model(), tiny_model()
-    optim.accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, CPU, scaler, ddp=False)
-    optim.accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, CPU, scaler, ddp=False)
+    stepping = optim.Stepping(CPU, scaler)
+    optim.accumulate_gradients(small, TokenLoader(data_dir, "train", 2, 16), 4, stepping, ddp=False)
+    optim.accumulate_gradients(big, TokenLoader(data_dir, "train", 8, 16), 1, stepping, ddp=False)
     for (name, p), q in zip(small.named_parameters(), big.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
+
+
+def test_train_step_is_the_trainers_step_over_the_optimizers_parameters():
+    """train_step (bench's rungs, the finder's probes) is accumulate_gradients + optimizer_step as the trainer calls
+    them with its own parameter list: a Stepping without params clips over the optimizers' (each once, the tied
+    embedding too), at the Stepping's grad_clip. A clip that bites (0.05) shows it is the one used."""
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    weights = []
+    for explicit, grad_clip in ((True, 0.05), (False, 0.05), (False, 1.0)):
+        model = tiny_model()
+        opts = optim.build_optimizers(model, "muon", lr=1e-2, muon_lr=1e-2)
+        params = list(model.parameters()) if explicit else None
+        stepping = optim.Stepping(CPU, torch.amp.GradScaler("cpu", enabled=False), opts, params, grad_clip)
+        assert sorted(map(id, stepping.clipped)) == sorted(map(id, model.parameters()))
+        for _ in range(2):
+            if explicit:  # the trainer's two calls
+                loss = optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 1, stepping)
+                stepped = optim.optimizer_step(stepping, 1.0, loss)
+            else:
+                stepped = optim.train_step(model, stepping, x[:, :-1], x[:, 1:])
+            assert stepped.applied and stepped.norm > 0.05  # the clip at 0.05 bites
+        weights.append([p.detach().clone() for p in model.parameters()])
+    trainer, bench, unclipped = weights
+    for a, b in zip(trainer, bench):
+        torch.testing.assert_close(a, b)
+    assert not all(torch.allclose(a, b) for a, b in zip(trainer, unclipped))
 
 
 def test_cuda_graph_steps_keep_their_gradients_and_mark_each_micro_step(data_dir, monkeypatch):
@@ -432,12 +464,12 @@ def test_cuda_graph_steps_keep_their_gradients_and_mark_each_micro_step(data_dir
         opt = adamw(model)
         params = list(model.parameters())
         loader, grads, losses = TokenLoader(data_dir, "train", 2, 16), [], []
+        stepping = optim.Stepping(plan, scaler, [opt], params)
         for _ in range(3):
-            loss = optim.accumulate_gradients(model, loader, 4, plan, scaler)
+            loss = optim.accumulate_gradients(model, loader, 4, stepping)
             grads.append([p.grad.clone() for p in params])
             held = [p.grad for p in params]
-            losses.append(optim.optimizer_step([opt], scaler, params, 1.0, 1.0, loss,
-                                               keep_grads=plan.cudagraphs).loss)
+            losses.append(optim.optimizer_step(stepping, 1.0, loss).loss)
             assert all(p.grad is g for p, g in zip(params, held)) if graphs else all(p.grad is None for p in params)
             if graphs:
                 assert all(not p.grad.any() for p in params)  # zeroed in place for the next step
@@ -460,16 +492,16 @@ def test_cuda_graph_gradients_are_made_before_the_first_backward():
         made.setdefault("grads", [p.grad for p in model.parameters()])
     model.transformer.ln_f.register_full_backward_hook(first_backward)
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
-    optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2, plan,
-                               torch.amp.GradScaler("cpu", enabled=False))
+    optim.accumulate_gradients(model, optim.FixedBatch(x[:, :-1], x[:, 1:]), 2,
+                               optim.Stepping(plan, torch.amp.GradScaler("cpu", enabled=False)))
     assert all(g is not None for g in made["grads"])
     assert all(p.grad is g for p, g in zip(model.parameters(), made["grads"]))
 
 
 def adamw_step(model, optimizer, scaler, loss, grad_clip=1.0):
     """The one optimizer step for model's AdamW alone, at the lr it was built with."""
-    return optim.optimizer_step([optimizer], scaler, list(model.parameters()), grad_clip=grad_clip, lr_scale=1.0,
-                                    loss=loss)
+    stepping = optim.Stepping(CPU, scaler, [optimizer], list(model.parameters()), grad_clip=grad_clip)
+    return optim.optimizer_step(stepping, lr_scale=1.0, loss=loss)
 
 
 def fp16_backward(model, scaler, data_dir):
@@ -517,7 +549,8 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     model = tiny_model()
     optimizer = adamw(model)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
-    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
+    stepping = optim.Stepping(plan, scaler)
+    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, stepping, ddp=False)
     if where == "grad":
         model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("nan")
     else:
@@ -527,7 +560,7 @@ def test_non_finite_step_is_skipped_without_a_scaler(data_dir, prec, where):
     assert not applied and not (math.isfinite(loss) and math.isfinite(norm))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched, finite
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state  # nothing half-applied
-    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, plan, scaler, ddp=False)
+    loss = optim.accumulate_gradients(model, TokenLoader(data_dir, "train", 2, 16), 1, stepping, ddp=False)
     assert adamw_step(model, optimizer, scaler, loss).applied  # the next step goes on
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -540,18 +573,19 @@ def test_outlier_step_is_skipped(prec, data_dir):
     scaler = torch.amp.GradScaler("cpu", enabled=plan.grad_scaler)
     loader = TokenLoader(data_dir, "train", 2, 16)
     before = copy.deepcopy(model.state_dict())
-    loss = optim.accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
+    loss = optim.accumulate_gradients(model, loader, 1, optim.Stepping(plan, scaler), ddp=False)
     seen = []
     params = list(model.parameters())
-    applied = optim.optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss,
-                                       lambda value, norm: seen.append((value, norm)) or True).applied
+    applied = optim.optimizer_step(optim.Stepping(plan, scaler, [optimizer], params), 1.0, loss,
+                                   lambda value, norm: seen.append((value, norm)) or True).applied
     assert not applied and len(seen) == 1 and seen[0][1] > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     if plan.grad_scaler:
         assert scaler.get_scale() == 65536.0  # an outlier is not an overflow: the loss scale stays
-    loss = optim.accumulate_gradients(model, loader, 1, plan, scaler, ddp=False)
-    assert optim.optimizer_step([optimizer], scaler, params, 1.0, 1.0, loss, lambda value, norm: False).applied
+    loss = optim.accumulate_gradients(model, loader, 1, optim.Stepping(plan, scaler), ddp=False)
+    assert optim.optimizer_step(optim.Stepping(plan, scaler, [optimizer], params), 1.0, loss,
+                                lambda value, norm: False).applied
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 # -----------------------------------------------------------------------------
@@ -617,8 +651,8 @@ def test_momentum_warmup_from_085():
     opts = optim.build_optimizers(model, "muon")
     loss = model(*batch())[1]
     loss.backward()
-    optim.optimizer_step(opts, torch.amp.GradScaler("cpu", enabled=False), list(model.parameters()), 1.0, 1.0,
-                         loss.detach(), momentum=0.87)
+    stepping = optim.Stepping(CPU, torch.amp.GradScaler("cpu", enabled=False), opts, list(model.parameters()))
+    optim.optimizer_step(stepping, 1.0, loss.detach(), momentum=0.87)
     assert opts[1].param_groups[0]["momentum"] == 0.87 and "momentum" not in opts[0].param_groups[0]
 
 

@@ -284,8 +284,8 @@ def test_an_injected_cuda_out_of_memory_is_one_line(data_dir, tmp_path, monkeypa
         run = real_setup(*a, **k)
         return dataclasses.replace(run, plan=dataclasses.replace(run.plan, device="cuda:0"))
 
-    def step(model, loader, grad_accum, plan, *a, **k):
-        steps.append(plan.device)
+    def step(model, loader, grad_accum, stepping, *a, **k):
+        steps.append(stepping.plan.device)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.07 GiB. GPU 0 has a total capacity "
                                      "of 14.74 GiB of which 1.21 GiB is free.")
     monkeypatch.setattr(train_gpt2, "setup", on_cuda)

@@ -87,9 +87,9 @@ def test_schedule_multiplier_is_the_only_lr(data_dir, tmp_path, monkeypatch, cap
     monkeypatch.setattr(optim, "lr_multiplier", lambda step, cfg: 0.5 * real(step, cfg))
     step_fn = optim.optimizer_step
 
-    def recorded(optimizers, *a, **k):
-        stepped = step_fn(optimizers, *a, **k)
-        seen.append([(type(o).__name__, g["base_lr"], g["lr"], g.get("momentum")) for o in optimizers
+    def recorded(stepping, *a, **k):
+        stepped = step_fn(stepping, *a, **k)
+        seen.append([(type(o).__name__, g["base_lr"], g["lr"], g.get("momentum")) for o in stepping.optimizers
                      for g in o.param_groups])
         return stepped
     monkeypatch.setattr(optim, "optimizer_step", recorded)
