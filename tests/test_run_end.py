@@ -4,7 +4,7 @@ the checkpoint nor the exit code, an empty sample_prompt samples new documents, 
 whose numbers are log.jsonl's."""
 import os
 
-import train_gpt2
+import sample
 from conftest import read_log, tiny_args
 from train_gpt2 import main
 
@@ -23,9 +23,9 @@ def test_empty_sample_prompt_samples_new_documents(data_dir, tmp_path, capsys):
 
 
 def test_final_checkpoint_first_and_a_failing_extra_is_one_warning(data_dir, tmp_path, capsys, monkeypatch):
-    def broken(run):
+    def broken(*args):
         raise RuntimeError("the sampler broke")
-    monkeypatch.setattr(train_gpt2, "sample", broken)
+    monkeypatch.setattr(sample, "sample_batch", broken)  # the trainer's periodic samples
     out = str(tmp_path / "run")
     assert main(sampling_args(data_dir, out)) == 0
     printed = capsys.readouterr().out
